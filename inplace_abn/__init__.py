@@ -1,0 +1,14 @@
+"""In-Place Activated BatchNorm for memory-efficient training.
+
+Public API:
+    ABN, InPlaceABN, InPlaceABNSync         modules (drop-in for the original package)
+    functions.inplace_abn, inplace_abn_sync functional forms
+    use_backend                              switch native / pure-PyTorch kernels
+"""
+from ._backend import HAS_NATIVE, use_backend
+from .abn import ABN, InPlaceABN, InPlaceABNSync
+from .functions import inplace_abn, inplace_abn_sync
+
+__version__ = "2.0.0"
+
+__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync", "use_backend", "HAS_NATIVE"]

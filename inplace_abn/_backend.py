@@ -1,0 +1,127 @@
+"""Backend selection: the native extension (``inplace_abn._C``) when it is
+built and has kernels for the input's device, else the pure-PyTorch backend.
+
+``INPLACE_ABN_BACKEND`` = ``auto`` (default) | ``native`` | ``python`` picks
+the backend at import; `use_backend` switches it for a block of code.
+"""
+import contextlib
+import os
+import warnings
+
+import torch
+
+from . import _pure
+
+_native_error = None
+try:
+    from . import _C  # noqa: F401  (loading it registers torch.ops.inplace_abn)
+except ImportError as e:  # extension not built: pure backend
+    _native_error = e
+
+HAS_NATIVE = _native_error is None
+OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input")
+
+
+class _NativeOps:
+    """The torch.ops.inplace_abn operators, under the same names as `_pure`."""
+
+    def __getattr__(self, name):
+        return getattr(torch.ops.inplace_abn, name)
+
+
+NATIVE = _NativeOps()
+
+
+def _has_device_kernel(device_type: str) -> bool:
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::forward_", key)
+
+
+def _initial_choice() -> str:
+    choice = os.environ.get("INPLACE_ABN_BACKEND", "auto").lower()
+    if choice not in ("auto", "native", "python"):
+        raise ValueError(f"INPLACE_ABN_BACKEND must be auto, native or python, got {choice!r}")
+    if choice == "native" and not HAS_NATIVE:
+        raise ImportError(f"INPLACE_ABN_BACKEND=native but the extension could not be loaded: {_native_error}")
+    if choice == "auto" and not HAS_NATIVE:
+        warnings.warn(
+            f"inplace_abn: native extension not available ({_native_error}); using the pure-PyTorch "
+            "backend, which is correct but slower. Reinstall with `pip install --no-build-isolation -e .` "
+            "to build it.",
+            RuntimeWarning,
+        )
+    return choice
+
+
+_choice = _initial_choice()
+_warned_devices = set()
+
+
+def current() -> str:
+    """The configured backend: ``auto``, ``native`` or ``python``."""
+    return _choice
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run a block with the ``native``, ``python`` or ``auto`` backend."""
+    global _choice
+    if name not in ("auto", "native", "python"):
+        raise ValueError(f"backend must be auto, native or python, got {name!r}")
+    if name == "native" and not HAS_NATIVE:
+        raise RuntimeError(f"the native extension is not available: {_native_error}")
+    previous, _choice = _choice, name
+    try:
+        yield
+    finally:
+        _choice = previous
+
+
+def ops_for(x: torch.Tensor):
+    """The operator set that runs on ``x``'s device under the current choice."""
+    if _choice == "python" or not HAS_NATIVE:
+        return _pure
+    if _has_device_kernel(x.device.type):
+        return NATIVE
+    if _choice == "native":
+        raise RuntimeError(f"inplace_abn: the native extension has no kernels for {x.device.type} tensors")
+    if x.device.type not in _warned_devices:
+        _warned_devices.add(x.device.type)
+        warnings.warn(
+            f"inplace_abn: no native kernels for {x.device.type}; using the pure-PyTorch backend",
+            RuntimeWarning,
+        )
+    return _pure
+
+
+def _register_fakes():
+    """Fake (meta) kernels: shapes and dtypes only, for torch.compile / export / opcheck."""
+
+    def acc(t):
+        return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+    @torch.library.register_fake("inplace_abn::batch_stats")
+    def _(x):
+        C = x.shape[1]
+        return x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
+
+    @torch.library.register_fake("inplace_abn::forward_")
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight):
+        words = (x.numel() + 31) // 32 if activation == 3 else 0
+        return x.new_empty(words, dtype=torch.int32)
+
+    @torch.library.register_fake("inplace_abn::backward_reduce")
+    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight):
+        C = y.shape[1]
+        return y.new_empty(C, dtype=acc(y)), y.new_empty(C, dtype=acc(y))
+
+    @torch.library.register_fake("inplace_abn::backward_input")
+    def _(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param,
+          signed_weight, residual_grad):
+        dx = torch.empty_like(y)
+        dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
+        return dx, dr
+
+
+if HAS_NATIVE:
+    _register_fakes()

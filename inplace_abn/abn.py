@@ -1,0 +1,209 @@
+"""Modules: ABN (BatchNorm + activation, not in place), InPlaceABN and
+InPlaceABNSync. Constructor arguments and state-dict keys are those of the
+original inplace_abn package, so its code and checkpoints work unchanged.
+"""
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _activation
+from .functions import WEIGHT_MODES, inplace_abn, inplace_abn_sync
+
+
+class ABN(nn.Module):
+    """Activated Batch Normalization: stock BatchNorm followed by an activation.
+
+    The non-in-place reference layer (it accepts ``relu`` too). Input
+    (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); output the same shape.
+
+    Args:
+        num_features: C, the number of channels.
+        eps: added to the variance.
+        momentum: running-statistics momentum, or None for a cumulative average.
+        affine: learn a per-channel weight and bias.
+        track_running_stats: keep running statistics (else batch statistics
+            are used in eval mode too).
+        activation: ``identity``, ``relu``, ``leaky_relu``, ``elu``, ``silu``/``swish``.
+        activation_param: leaky_relu slope or elu alpha.
+    """
+
+    _version = 2
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+    ):
+        super().__init__()
+        _activation.check(activation, activation_param)
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        self.activation = activation
+        self.activation_param = activation_param
+        if affine:
+            self.weight = nn.Parameter(torch.empty(num_features))
+            self.bias = nn.Parameter(torch.empty(num_features))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features))
+            self.register_buffer("running_var", torch.ones(num_features))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def _momentum_and_training(self):
+        """(momentum, use batch statistics), counting the batch as torch.nn.BatchNorm does."""
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        training = self.training or self.running_mean is None
+        return momentum, training
+
+    def _running_stats(self):
+        if self.training and not self.track_running_stats:
+            return None, None
+        return self.running_mean, self.running_var
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        momentum, training = self._momentum_and_training()
+        running_mean, running_var = self._running_stats()
+        x = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training, momentum, self.eps)
+        if self.activation == "relu":
+            return F.relu(x, inplace=True)
+        if self.activation == "leaky_relu":
+            return F.leaky_relu(x, negative_slope=self.activation_param, inplace=True)
+        if self.activation == "elu":
+            return F.elu(x, alpha=self.activation_param, inplace=True)
+        if self.activation in ("silu", "swish"):
+            return F.silu(x, inplace=True)
+        return x
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Checkpoints of the original library before its version 2 have no num_batches_tracked.
+        version = local_metadata.get("version", None)
+        key = prefix + "num_batches_tracked"
+        if (version is None or version < 2) and self.track_running_stats and key not in state_dict:
+            state_dict[key] = torch.tensor(0, dtype=torch.long)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        rep = (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+               f"activation={self.activation}")
+        if self.activation in ("leaky_relu", "elu"):
+            rep += f"[{self.activation_param}]"
+        return rep
+
+
+class InPlaceABN(ABN):
+    """In-Place Activated Batch Normalization.
+
+    BatchNorm + activation fused into one operation that overwrites its input
+    and keeps only its output for backward (about half the activation memory
+    of BatchNorm followed by an activation). Same arguments as `ABN`, plus:
+
+    Args:
+        weight_mode: ``"abs"`` (default, compatible with the original library:
+            the effective scale is |weight| + eps) or ``"signed"``
+            (sign(weight)(|weight| + eps): standard BatchNorm weights load
+            unchanged).
+
+    ``forward(x, residual=None)``: x of shape (N, C, ...) is overwritten with
+    f(BN(x) + residual) and returned. relu (or leaky_relu with slope 0) is not
+    invertible: such a layer stays correct but saves no memory, and warns once.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        weight_mode: str = "abs",
+    ):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param)
+        if weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
+        self.weight_mode = weight_mode
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        momentum, training = self._momentum_and_training()
+        running_mean, running_var = self._running_stats()
+        return inplace_abn(x, self.weight, self.bias, running_mean, running_var, training, momentum, self.eps,
+                           self.activation, self.activation_param, residual=residual, weight_mode=self.weight_mode)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
+
+
+class InPlaceABNSync(InPlaceABN):
+    """`InPlaceABN` with batch statistics synchronised over a process group.
+
+    Every rank of ``group`` (default: the world group) must run the layer;
+    batch and spatial sizes may differ per rank (even be empty), channels may
+    not. Without an initialised torch.distributed it runs like `InPlaceABN`
+    (one warning). Eval mode runs no collective.
+
+    Args:
+        group: the process group to synchronise over, or None for the world.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        group: Optional[Any] = None,
+        weight_mode: str = "abs",
+    ):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
+                         weight_mode)
+        self.group = group
+
+    def set_group(self, group: Optional[Any]) -> None:
+        """Set the process group to synchronise with (never between forward and backward)."""
+        self.group = group
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        momentum, training = self._momentum_and_training()
+        running_mean, running_var = self._running_stats()
+        return inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
+                                self.eps, self.activation, self.activation_param, self.group, residual=residual,
+                                weight_mode=self.weight_mode)

@@ -1,0 +1,286 @@
+"""Functional In-Place ABN: ``inplace_abn`` and ``inplace_abn_sync``.
+
+Both overwrite ``x`` with ``f(BN(x) [+ residual])`` and keep only the output
+for backward (DESIGN.md sections 1-2). Same arguments as the original
+inplace_abn package, plus keyword-only extensions (``residual``,
+``weight_mode``).
+"""
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _activation, _backend, _distributed
+
+WEIGHT_MODES = ("abs", "signed")
+
+
+def _layout_compatible(x: torch.Tensor) -> torch.Tensor:
+    """x itself when the kernels can work on its storage, else None."""
+    if x.is_contiguous():
+        return x
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return x
+    return None
+
+
+def _like_layout(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """t with y's memory layout (the kernels read t and y in lockstep)."""
+    if y.is_contiguous():
+        return t.contiguous()
+    fmt = torch.channels_last if y.dim() == 4 else torch.channels_last_3d
+    return t.contiguous(memory_format=fmt)
+
+
+class _InPlaceABNFunction(torch.autograd.Function):
+    """y = f(BN(x) [+ residual]) written into x; backward from y (DESIGN.md section 2).
+
+    ``group`` is None for the local layer, else the process group whose
+    batch statistics are combined (DESIGN.md section 4).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
+                activation, activation_param, signed, group):
+        ops = _backend.ops_for(x)
+        invertible = _activation.is_invertible(activation, activation_param)
+        # Non-invertible (relu, leaky_relu slope 0): normalise only, activate below.
+        act = _activation.CODES[activation] if invertible else _activation.IDENTITY
+        work = _layout_compatible(x)
+        work = x.contiguous() if work is None else work
+        if residual is not None:
+            residual = _like_layout(residual, work)
+        C = x.shape[1]
+        local_count = x.numel() // C if C else 0
+
+        if training:
+            mean, var = ops.batch_stats(work)
+            count = local_count
+            if group is not None:
+                mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
+            if count <= 1:
+                raise ValueError(
+                    f"Expected more than 1 value per channel when training, got {count} "
+                    f"(input size {list(x.shape)}{' summed over the process group' if group is not None else ''})"
+                )
+            if running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if running_var is not None:
+                unbiased = var * (count / (count - 1))
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        else:
+            mean, var, count = running_mean, running_var.clone(), local_count
+
+        if invertible:
+            mask = ops.forward_(work, mean, var, weight, bias, residual, eps, act, activation_param, signed)
+            saved_y = work
+        else:
+            # ReLU loses the negative values the backward needs: keep z, in the
+            # accumulation dtype so half inputs lose nothing (no memory saving),
+            # and apply the activation afterwards.
+            saved_y = work.to(torch.float64 if x.dtype == torch.float64 else torch.float32, copy=True)
+            res = None if residual is None else residual.to(saved_y.dtype)
+            mask = ops.forward_(saved_y, mean, var, weight, bias, res, eps, act, activation_param, signed)
+            work.copy_(saved_y.clamp(min=0))
+        if work is not x:  # strided input: computed on a contiguous copy
+            x.copy_(work)
+
+        ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
+        ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        y, var, weight, bias, residual, mask = ctx.saved_tensors
+        training, eps, act, p, signed, group, count, invertible, dtype = ctx.config
+        ops = _backend.ops_for(y)
+        dy = _like_layout(dy, y)
+        if not invertible:
+            # y holds z here; the ReLU derivative is applied to dy first.
+            dy = dy.to(y.dtype) * (y > 0)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_r = residual is not None and ctx.needs_input_grad[5]
+
+        sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+        dx = dr = None
+        if need_x or need_r:
+            if training:
+                g_gz, g_gzx = (sum_gz, sum_gzx)
+                if group is not None:
+                    g_gz, g_gzx = _distributed.reduce_grad_sums(sum_gz, sum_gzx, group)
+                mean_gz, mean_gzx = g_gz / count, g_gzx / count
+            else:
+                mean_gz, mean_gzx = torch.zeros_like(sum_gz), torch.zeros_like(sum_gzx)
+            dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, act, p,
+                                        signed, need_r)
+            dx = dx.to(dtype) if need_x else None
+            dr = dr.to(dtype) if need_r else None
+        elif training and group is not None:
+            # Every rank must take part in the collective, needed or not.
+            _distributed.reduce_grad_sums(sum_gz, sum_gzx, group)
+
+        dweight = dbias = None
+        if weight is not None and need_w:
+            w = weight.to(sum_gzx.dtype)
+            factor = torch.ones_like(w) if signed else torch.sign(w)
+            dweight = (sum_gzx * factor).to(weight.dtype)
+        if bias is not None and need_b:
+            dbias = sum_gz.to(bias.dtype)
+        return dx, dweight, dbias, None, None, dr, None, None, None, None, None, None, None
+
+
+def _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
+                activation_param, weight_mode):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"inplace_abn: x must be a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"inplace_abn: expected a floating point input, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"inplace_abn: expected an input of shape (N, C, ...), got shape {list(x.shape)}")
+    _activation.check(activation, activation_param)
+    if weight_mode not in WEIGHT_MODES:
+        raise ValueError(f"inplace_abn: weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
+    if not eps > 0:
+        raise ValueError(f"inplace_abn: eps must be > 0, got {eps}")
+    C = x.shape[1]
+    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean),
+                    ("running_var", running_var)):
+        if t is None:
+            continue
+        if t.dim() != 1 or t.shape[0] != C:
+            raise ValueError(
+                f"inplace_abn: the input has {C} channels but {name} has shape {list(t.shape)} "
+                f"(expected [{C}])"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"inplace_abn: {name} must be floating point, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"inplace_abn: {name} is on {t.device} but the input is on {x.device}")
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("inplace_abn: evaluation mode (training=False) needs running_mean and running_var")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"inplace_abn: residual must have the input's shape {list(x.shape)}, got {list(residual.shape)}"
+            )
+        if residual.device != x.device:
+            raise ValueError(f"inplace_abn: residual is on {residual.device} but the input is on {x.device}")
+    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+        raise RuntimeError(
+            "inplace_abn overwrites its input, but x is a leaf tensor that requires grad; "
+            "pass x.clone() or use the non-in-place ABN layer"
+        )
+
+
+def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation, activation_param,
+           residual, weight_mode, group):
+    _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
+                activation_param, weight_mode)
+    if not _activation.is_invertible(activation, activation_param):
+        _activation.warn_not_invertible(activation, activation_param)
+    momentum = 0.0 if momentum is None else float(momentum)
+    return _InPlaceABNFunction.apply(x, weight, bias, running_mean, running_var, residual, bool(training),
+                                     momentum, float(eps), activation, float(activation_param),
+                                     weight_mode == "signed", group)
+
+
+def inplace_abn(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-05,
+    activation: str = "leaky_relu",
+    activation_param: float = 0.01,
+    *,
+    residual: Optional[torch.Tensor] = None,
+    weight_mode: str = "abs",
+) -> torch.Tensor:
+    """In-Place Activated Batch Normalization.
+
+    Computes, per channel c (DESIGN.md section 1)::
+
+        z = g~ * (x - mu) / sqrt(var + eps) + beta [+ residual]
+        x <- f(z)
+
+    with g~ = |weight| + eps (``weight_mode="abs"``, the original library's
+    convention) or sign(weight) (|weight| + eps) (``"signed"``: standard
+    BatchNorm weights load unchanged). mu, var are the batch statistics in
+    training, the running ones otherwise; in training the running statistics
+    are updated with ``momentum`` and the unbiased batch variance.
+
+    Args:
+        x: (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W) floating tensor,
+            contiguous or channels-last; overwritten with the result.
+        weight, bias: (C,) affine parameters or None.
+        running_mean, running_var: (C,) running statistics or None.
+        training: use (and update) batch statistics.
+        momentum: running-statistics momentum (None: no update weight, 0).
+        eps: added to the variance, and to |weight|.
+        activation: ``identity``, ``leaky_relu``, ``elu``, ``silu``/``swish``
+            (``relu`` works but saves no memory).
+        activation_param: leaky_relu slope (> 0 to save memory) or elu alpha.
+        residual: optional tensor shaped like x added before the activation;
+            it receives the gradient dL/dz.
+        weight_mode: ``"abs"`` (default) or ``"signed"``.
+
+    Returns:
+        x itself, holding the output.
+    """
+    return _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
+                  activation_param, residual, weight_mode, None)
+
+
+_warned_no_dist = False
+
+
+def inplace_abn_sync(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-05,
+    activation: str = "leaky_relu",
+    activation_param: float = 0.01,
+    group: Optional[Any] = None,
+    *,
+    residual: Optional[torch.Tensor] = None,
+    weight_mode: str = "abs",
+) -> torch.Tensor:
+    """`inplace_abn` with batch statistics computed over a process group.
+
+    Every rank of ``group`` (default: the world) must call it; inputs may
+    differ in batch and spatial size, even be empty, but not in channels.
+    Without an initialised torch.distributed it falls back to `inplace_abn`
+    with a single warning. Eval mode runs no collective.
+    """
+    global _warned_no_dist
+    if not (dist.is_available() and dist.is_initialized()):
+        if not _warned_no_dist:
+            _warned_no_dist = True
+            import warnings
+
+            warnings.warn(
+                "inplace_abn_sync: torch.distributed is not initialized; running the non-synchronized "
+                "inplace_abn",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        group = None
+    elif group is None:
+        group = dist.group.WORLD
+    return _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
+                  activation_param, residual, weight_mode, group if training else None)
+
+
+__all__ = ["inplace_abn", "inplace_abn_sync"]

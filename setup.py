@@ -1,0 +1,74 @@
+"""Build of inplace_abn: one extension, inplace_abn._C, holding the operator
+schemas (src/ops.cpp), the CPU kernels (src/cpu) and, when CUDA is usable or
+forced, the CUDA kernels (src/cuda).
+
+Environment:
+  INPLACE_ABN_FORCE_CUDA=1   compile the CUDA sources even without a GPU
+                             (needs CUDA_HOME / nvcc; CI uses this)
+  INPLACE_ABN_NO_CUDA=1      never compile the CUDA sources
+  TORCH_CUDA_ARCH_LIST       CUDA architectures (default: Volta to Hopper + PTX)
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCH_LIST = "7.0;7.5;8.0;8.6;8.9;9.0+PTX"
+
+
+def _flag(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _want_cuda():
+    if _flag("INPLACE_ABN_NO_CUDA"):
+        return False
+    if _flag("INPLACE_ABN_FORCE_CUDA"):
+        if CUDA_HOME is None:
+            raise RuntimeError("INPLACE_ABN_FORCE_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME")
+        return True
+    import torch
+
+    return torch.cuda.is_available() and CUDA_HOME is not None
+
+
+def _extensions():
+    rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+    sources = rel("src/*.cpp") + rel("src/cpu/*.cpp")
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    include_dirs = [os.path.join(HERE, "src")]
+    cuda_sources = rel("src/cuda/*.cu")
+    if _want_cuda() and cuda_sources:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+        return [
+            CUDAExtension(
+                "inplace_abn._C",
+                sources + cuda_sources,
+                include_dirs=include_dirs,
+                define_macros=[("INPLACE_ABN_WITH_CUDA", None)],
+                extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
+            )
+        ]
+    return [CppExtension("inplace_abn._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})]
+
+
+setup(
+    name="inplace_abn",
+    version="2.0.0",
+    description="In-Place Activated BatchNorm for memory-efficient training of deep networks",
+    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["inplace_abn", "inplace_abn.*"]),
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "test": ["pytest", "numpy", "torchvision"],
+        "examples": ["torchvision", "tqdm", "matplotlib"],
+    },
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": BuildExtension},
+    zip_safe=False,
+)

@@ -1,0 +1,62 @@
+// Shared declarations of the native backend: operator argument checks and
+// helpers used by both the CPU and the CUDA implementations.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "activations.h"
+
+namespace inplace_abn {
+
+// Accumulation / statistics dtype: float32 for float, half and bfloat16 inputs,
+// float64 for double (DESIGN.md section 4).
+inline at::ScalarType acc_type_of(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline Act to_act(int64_t a) {
+  TORCH_CHECK(a >= 0 && a <= 3, "inplace_abn: unknown activation code ", a);
+  return static_cast<Act>(a);
+}
+
+// Number of 32-bit words of the packed SiLU branch mask for `numel` elements.
+inline int64_t mask_words(int64_t numel) { return (numel + 31) / 32; }
+
+// Checks shared by every operator: a floating input with at least 2 dims,
+// per-channel tensors of length C on the same device.
+inline void check_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() >= 2, "inplace_abn: ", name, " must have at least 2 dimensions (N, C, ...), got ",
+              x.dim());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "inplace_abn: ", name,
+              " must be a floating point tensor, got ", x.scalar_type());
+}
+
+inline void check_channel_vector(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(1), "inplace_abn: ", name, " must have shape (",
+              x.size(1), ",), got ", t->sizes());
+  TORCH_CHECK(t->device() == x.device(), "inplace_abn: ", name, " is on ", t->device(), " but the input is on ",
+              x.device());
+}
+
+inline void check_like(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->sizes() == x.sizes(), "inplace_abn: ", name, " must have the input's shape ", x.sizes(),
+              ", got ", t->sizes());
+  TORCH_CHECK(t->device() == x.device(), "inplace_abn: ", name, " is on ", t->device(), " but the input is on ",
+              x.device());
+}
+
+// Memory layout the kernels understand without copies: contiguous (N, C, S)
+// or channels-last (N, S, C). Anything else must be made contiguous by the caller.
+enum class Layout { Contiguous, ChannelsLast, Other };
+
+inline Layout layout_of(const at::Tensor& x) {
+  if (x.is_contiguous()) return Layout::Contiguous;
+  if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return Layout::ChannelsLast;
+  if (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) return Layout::ChannelsLast;
+  return Layout::Other;
+}
+
+}  // namespace inplace_abn
