@@ -1,0 +1,291 @@
+"""Module API, drop-in compatibility, errors, memory and the in-place contract."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import inplace_abn
+from inplace_abn import ABN, InPlaceABN, InPlaceABNSync, _activation
+from inplace_abn.functions import inplace_abn as iabn
+from inplace_abn.memory import model_saved_bytes
+from reference import rel_err, stock
+
+
+def _x(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+# ---- in-place contract ---------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_output_shares_input_storage(backend, fmt):
+    x = _x(4, 8, 5, 5).contiguous(memory_format=fmt)
+    ptr = x.data_ptr()
+    y = InPlaceABN(8)(x)
+    assert y.data_ptr() == ptr and y is x
+    assert y.is_contiguous(memory_format=fmt)
+
+
+def test_silu_mask_is_one_bit_per_element(backend):
+    ops = inplace_abn._backend.ops_for(torch.empty(0))
+    for numel_shape in [(4, 3, 5, 7), (3, 5), (2, 3, 33)]:
+        x = _x(*numel_shape)
+        C = x.shape[1]
+        mask = ops.forward_(x, torch.zeros(C), torch.ones(C), None, None, None, 1e-5, _activation.SILU, 0.0, False)
+        assert mask.dtype == torch.int32
+        assert mask.numel() == (x.numel() + 31) // 32  # 32 elements per 4-byte word
+        empty = ops.forward_(_x(*numel_shape), torch.zeros(C), torch.ones(C), None, None, None, 1e-5,
+                             _activation.LEAKY_RELU, 0.1, False)
+        assert empty.numel() == 0
+
+
+def test_silu_mask_bits_in_memory_order(backend):
+    # Same values in both layouts must give the same bits at the same storage positions.
+    x = _x(2, 3, 4, 5) * 3 - 1
+    ops = inplace_abn._backend.ops_for(x)
+    z = x.clone()
+    C = 3
+    m1 = ops.forward_(x.clone(), torch.zeros(C), torch.ones(C) - 1e-5, None, None, None, 1e-5, 3, 0.0, False)
+    expected_bits = (z < -1.2784645427610738).reshape(-1)
+    words = [(m1[i // 32].item() >> (i % 32)) & 1 for i in range(z.numel())]
+    assert words == expected_bits.int().tolist()
+    xc = x.clone().contiguous(memory_format=torch.channels_last)
+    m2 = ops.forward_(xc, torch.zeros(C), torch.ones(C) - 1e-5, None, None, None, 1e-5, 3, 0.0, False)
+    zc = z.permute(0, 2, 3, 1).reshape(-1)  # memory order of channels-last
+    words = [(m2[i // 32].item() >> (i % 32)) & 1 for i in range(zc.numel())]
+    assert words == (zc < -1.2784645427610738).int().tolist()
+
+
+def test_bitwise_reproducible(backend):
+    outs = []
+    for _ in range(2):
+        x = _x(8, 16, 9, 9, seed=3)
+        layer = InPlaceABN(16, activation="silu")
+        xin = x.clone().requires_grad_()
+        y = layer(xin.clone())
+        y.backward(_x(8, 16, 9, 9, seed=4))
+        outs.append((y.detach(), xin.grad, layer.weight.grad, layer.running_var.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_input(backend):
+    leaf = _x(4, 6, 8, 10, dtype=torch.float64).requires_grad_()
+    strided = leaf.clone()[:, :, :, ::2]  # neither contiguous nor channels-last
+    ref_in = leaf.detach()[:, :, :, ::2].clone().requires_grad_()
+    w, b = torch.rand(6, dtype=torch.float64) + 0.5, torch.randn(6, dtype=torch.float64)
+    y = iabn(strided, w, b, None, None, True, 0.1, 1e-5, "elu", 1.0)
+    assert y is strided
+    y_ref = stock(ref_in, w, b, None, None, True, 0.1, 1e-5, "elu", 1.0)
+    assert rel_err(y, y_ref) < 1e-12
+    g = _x(4, 6, 8, 5, dtype=torch.float64)
+    (gl,) = torch.autograd.grad(y, leaf, g)
+    (gr,) = torch.autograd.grad(y_ref, ref_in, g)
+    assert rel_err(gl[:, :, :, ::2], gr) < 1e-10
+    assert gl[:, :, :, 1::2].abs().max() == 0
+
+
+# ---- errors ----------------------------------------------------------------------
+
+def test_unknown_activation():
+    with pytest.raises(ValueError, match="Unknown activation 'gelu'"):
+        InPlaceABN(4, activation="gelu")
+    with pytest.raises(ValueError, match="Unknown activation"):
+        iabn(_x(4, 4), None, None, None, None, True, 0.1, 1e-5, "tanh", 0.0)
+
+
+def test_negative_slope_and_alpha():
+    with pytest.raises(ValueError, match="non-negative slope"):
+        InPlaceABN(4, activation="leaky_relu", activation_param=-0.1)
+    with pytest.raises(ValueError, match="alpha > 0"):
+        iabn(_x(4, 4), None, None, None, None, True, 0.1, 1e-5, "elu", 0.0)
+
+
+def test_integer_dtype():
+    with pytest.raises(TypeError, match="floating point input, got torch.int64"):
+        InPlaceABN(4)(torch.ones(4, 4, dtype=torch.long))
+
+
+def test_wrong_channel_count():
+    with pytest.raises(ValueError, match="input has 3 channels but weight has shape \\[4\\]"):
+        InPlaceABN(4)(_x(2, 3, 5, 5))
+
+
+def test_wrong_rank():
+    with pytest.raises(ValueError, match="shape \\(N, C, ...\\)"):
+        InPlaceABN(4)(_x(4))
+
+
+def test_one_value_per_channel_in_training(backend):
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        InPlaceABN(4)(_x(1, 4))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        InPlaceABN(4)(_x(1, 4, 1, 1))
+    layer = InPlaceABN(4).eval()  # eval mode uses running stats: fine
+    assert torch.isfinite(layer(_x(1, 4, 1, 1))).all()
+
+
+def test_leaf_requiring_grad_is_refused():
+    x = _x(4, 4, 3, 3).requires_grad_()
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+        InPlaceABN(4)(x)
+
+
+def test_input_needed_by_another_op_raises(backend):
+    # x is saved by x * x for its backward; overwriting it must not give a wrong gradient.
+    leaf = _x(4, 4, 3, 3).requires_grad_()
+    x = leaf * 1.0
+    other = x * x
+    y = InPlaceABN(4)(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (y.sum() + other.sum()).backward()
+
+
+def test_eval_needs_running_stats():
+    with pytest.raises(ValueError, match="needs running_mean and running_var"):
+        iabn(_x(4, 4), None, None, None, None, False)
+
+
+def test_residual_shape_checked():
+    with pytest.raises(ValueError, match="residual must have the input's shape"):
+        InPlaceABN(4)(_x(2, 4, 3, 3), residual=_x(2, 4, 3, 2))
+
+
+# ---- non-invertible activations -------------------------------------------------
+
+@pytest.mark.parametrize("activation,param", [("relu", 0.0), ("leaky_relu", 0.0)])
+def test_relu_is_correct_and_warns_once(backend, activation, param, monkeypatch):
+    monkeypatch.setattr(_activation, "_warned_not_invertible", False)
+    x = _x(8, 5, 4, 4, dtype=torch.float64)
+    w = (torch.rand(5, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(5, dtype=torch.float64).requires_grad_()
+    xin = x.clone().requires_grad_()
+    with pytest.warns(RuntimeWarning, match="not invertible.*saves no memory.*slope > 0"):
+        y = iabn(xin.clone(), w, b, None, None, True, 0.1, 1e-5, activation, param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        iabn(x.clone(), w.detach(), b.detach(), None, None, True, 0.1, 1e-5, activation, param)  # no second warning
+    xr = x.clone().requires_grad_()
+    yr = F.relu(F.batch_norm(xr, None, None, w.abs() + 1e-5, b, True, 0.1, 1e-5))
+    g = _x(8, 5, 4, 4, dtype=torch.float64, seed=1)
+    ours = torch.autograd.grad(y, [xin, w, b], g)
+    ref = torch.autograd.grad(yr, [xr, w, b], g)
+    assert rel_err(y, yr) < 1e-12
+    for a, r in zip(ours, ref):
+        assert rel_err(a, r) < 1e-10
+
+
+# ---- modules: drop-in compatibility ----------------------------------------------
+
+def test_state_dict_keys_match_original():
+    keys = ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    for cls in (ABN, InPlaceABN, InPlaceABNSync):
+        assert list(cls(8).state_dict()) == keys
+    assert list(InPlaceABN(8, affine=False, track_running_stats=False).state_dict()) == []
+
+
+def test_old_checkpoint_without_num_batches_tracked_loads():
+    sd = InPlaceABN(8).state_dict()
+    del sd["num_batches_tracked"]
+    sd._metadata = {"": {"version": 1}}
+    layer = InPlaceABN(8)
+    layer.load_state_dict(sd)  # strict: must not complain
+    assert layer.num_batches_tracked.item() == 0
+
+
+def test_batchnorm_weights_load_in_signed_mode(backend):
+    bn = nn.BatchNorm2d(6).double()
+    with torch.no_grad():
+        bn.weight.copy_(torch.randn(6))
+        bn.bias.copy_(torch.randn(6))
+        bn.running_mean.copy_(torch.randn(6))
+        bn.running_var.copy_(torch.rand(6) + 0.5)
+    layer = InPlaceABN(6, activation="identity", weight_mode="signed").double()
+    layer.load_state_dict(bn.state_dict())
+    bn.eval(), layer.eval()
+    x = _x(3, 6, 4, 4, dtype=torch.float64)
+    # signed mode: sign(w)(|w| + eps) differs from w by eps only
+    assert rel_err(layer(x.clone()), bn(x)) < 1e-4
+    with torch.no_grad():
+        layer.weight.copy_(bn.weight.sign() * (bn.weight.abs() - layer.eps))
+    assert rel_err(layer(x.clone()), bn(x)) < 1e-12
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("cls", [ABN, InPlaceABN])
+def test_running_stats_follow_batchnorm(backend, cls, momentum):
+    bn = nn.BatchNorm2d(5, momentum=momentum).double()
+    layer = cls(5, momentum=momentum, activation="identity").double()
+    for step in range(3):
+        x = _x(4, 5, 3, 3, dtype=torch.float64, seed=step) * 2 + 1
+        bn(x.clone()), layer(x.clone())
+    assert layer.num_batches_tracked.item() == 3
+    assert rel_err(layer.running_mean, bn.running_mean) < 1e-12
+    assert rel_err(layer.running_var, bn.running_var) < 1e-12
+
+
+def test_track_running_stats_false_uses_batch_stats_in_eval(backend):
+    layer = InPlaceABN(4, track_running_stats=False, activation="identity").double().eval()
+    x = _x(6, 4, 3, 3, dtype=torch.float64) * 3 + 2
+    y = layer(x.clone())
+    ref = F.batch_norm(x, None, None, torch.ones(4, dtype=torch.float64) + 1e-5, torch.zeros(4, dtype=torch.float64),
+                       True, 0.1, 1e-5)
+    assert rel_err(y, ref) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(16, 4), (4, 4, 7), (2, 4, 3, 5), (2, 4, 2, 3, 3)])
+def test_abn_matches_stock(shape):
+    layer = ABN(4, activation="elu", activation_param=0.5).double()
+    x = _x(*shape, dtype=torch.float64)
+    y = layer(x.clone())
+    ref = F.elu(F.batch_norm(x, None, None, layer.weight, layer.bias, True, 0.1, 1e-5), 0.5)
+    assert rel_err(y, ref) < 1e-14
+
+
+def test_sync_without_process_group_falls_back(backend):
+    layer = InPlaceABNSync(4, activation="identity").double()
+    x = _x(6, 4, 3, 3, dtype=torch.float64)
+    import inplace_abn.functions as fn
+    fn._warned_no_dist = False
+    with pytest.warns(RuntimeWarning, match="not initialized"):
+        y = layer(x.clone())
+    assert rel_err(y, InPlaceABN(4, activation="identity").double()(x.clone())) < 1e-14
+
+
+def test_extra_repr():
+    assert "leaky_relu[0.01]" in repr(InPlaceABN(4))
+    assert "weight_mode=signed" in repr(InPlaceABN(4, weight_mode="signed"))
+
+
+# ---- memory ------------------------------------------------------------------------
+
+def _stack(norm_act, width=32, depth=8):
+    layers = [nn.Conv2d(3, width, 3, padding=1, bias=False)]
+    for i in range(depth):
+        layers.append(norm_act(width))
+        if i < depth - 1:
+            layers.append(nn.Conv2d(width, width, 3, padding=1, bias=False))
+    return nn.Sequential(*layers)
+
+
+def test_memory_saved_for_backward(backend):
+    torch.manual_seed(0)
+    x = _x(4, 3, 32, 32)
+    stock_net = _stack(lambda c: nn.Sequential(nn.BatchNorm2d(c), nn.LeakyReLU(0.01, inplace=True)))
+    ours_net = _stack(lambda c: InPlaceABN(c))
+    b_stock = model_saved_bytes(stock_net, x)
+    b_ours = model_saved_bytes(ours_net, x)
+    ratio = b_ours / b_stock
+    assert ratio <= 0.55, f"saved bytes ratio {ratio:.3f} ({b_ours} vs {b_stock})"
+
+
+def test_relu_layer_saves_nothing_but_stays_correct(backend):
+    x = _x(4, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        relu_net = _stack(lambda c: InPlaceABN(c, activation="relu"), depth=2)
+        leaky_net = _stack(lambda c: InPlaceABN(c), depth=2)
+        assert model_saved_bytes(relu_net, x) > model_saved_bytes(leaky_net, x)
