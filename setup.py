@@ -6,7 +6,8 @@ Environment:
   INPLACE_ABN_FORCE_CUDA=1   compile the CUDA sources even without a GPU
                              (needs CUDA_HOME / nvcc; CI uses this)
   INPLACE_ABN_NO_CUDA=1      never compile the CUDA sources
-  TORCH_CUDA_ARCH_LIST       CUDA architectures (default: Volta to Hopper + PTX)
+  TORCH_CUDA_ARCH_LIST       CUDA architectures (default: the visible GPUs', or
+                             Volta to Hopper + PTX when none is visible)
 """
 import glob
 import os
@@ -42,7 +43,10 @@ def _extensions():
     include_dirs = [os.path.join(HERE, "src")]
     cuda_sources = rel("src/cuda/*.cu")
     if _want_cuda() and cuda_sources:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+        import torch
+
+        if not torch.cuda.is_available():  # forced build: torch cannot detect the GPUs' archs
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         return [
             CUDAExtension(
                 "inplace_abn._C",

@@ -1,4 +1,5 @@
 """Module API, drop-in compatibility, errors, memory and the in-place contract."""
+import os
 import warnings
 
 import pytest
@@ -289,3 +290,18 @@ def test_relu_layer_saves_nothing_but_stays_correct(backend):
         relu_net = _stack(lambda c: InPlaceABN(c, activation="relu"), depth=2)
         leaky_net = _stack(lambda c: InPlaceABN(c), depth=2)
         assert model_saved_bytes(relu_net, x) > model_saved_bytes(leaky_net, x)
+
+
+# ---- build ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not os.environ.get("INPLACE_ABN_REQUIRE_NATIVE"), reason="native build not required here")
+def test_native_extension_is_built():
+    assert inplace_abn.HAS_NATIVE, f"the native extension failed to load: {inplace_abn._backend._native_error}"
+    for op in inplace_abn._backend.OP_NAMES:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{op}", "CPU"), op
+
+
+@pytest.mark.skipif(not os.environ.get("INPLACE_ABN_REQUIRE_CUDA_BUILD"), reason="CUDA build not required here")
+def test_cuda_kernels_are_registered():
+    for op in inplace_abn._backend.OP_NAMES:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{op}", "CUDA"), op
