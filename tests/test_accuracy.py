@@ -108,5 +108,6 @@ def test_hostile_data(backend, hostile, activation, dtype):
     case = make_case(shape, dtype, seed=11, **kwargs)
     if hostile == "mean_1e4":
         case["rm"] = case["rm"] + 1e4
-    err = check(case, "4d", activation, "abs", ordinary=False)
+    # A large batch of ordinary data keeps the ordinary bounds.
+    err = check(case, "4d", activation, "abs", ordinary=hostile == "large_batch")
     assert all(e == e and e < float("inf") for e in err.values()), f"non-finite error {err}"
