@@ -39,7 +39,7 @@ def _want_cuda():
 def _extensions():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
     sources = rel("src/*.cpp") + rel("src/cpu/*.cpp")
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    cxx = ["-O3", "-fvisibility=hidden"]  # torch adds its -std (C++20 for torch 2.14)
     include_dirs = [os.path.join(HERE, "src")]
     cuda_sources = rel("src/cuda/*.cu")
     if _want_cuda() and cuda_sources:
@@ -53,7 +53,7 @@ def _extensions():
                 sources + cuda_sources,
                 include_dirs=include_dirs,
                 define_macros=[("INPLACE_ABN_WITH_CUDA", None)],
-                extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
+                extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
             )
         ]
     return [CppExtension("inplace_abn._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})]

@@ -6,11 +6,9 @@
 
 // Importing inplace_abn._C from Python loads this library and so runs the
 // registrations below; the module itself has no Python-level contents.
-extern "C" {
-PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {  // PyMODINIT_FUNC: exported despite -fvisibility=hidden
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
-}
 }
 
 TORCH_LIBRARY(inplace_abn, m) {
