@@ -32,6 +32,7 @@ class _NativeOps:
 NATIVE = _NativeOps()
 
 
+@torch.compiler.assume_constant_result  # registrations are fixed at import: no graph break under compile
 def _has_device_kernel(device_type: str) -> bool:
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::forward_", key)

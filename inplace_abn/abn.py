@@ -175,7 +175,10 @@ class InPlaceABNSync(InPlaceABN):
     Every rank of ``group`` (default: the world group) must run the layer;
     batch and spatial sizes may differ per rank (even be empty), channels may
     not. Without an initialised torch.distributed it runs like `InPlaceABN`
-    (one warning). Eval mode runs no collective.
+    (one warning). Eval mode runs no collective: it uses the running
+    statistics, or local batch statistics with track_running_stats=False.
+    See `inplace_abn.functions.inplace_abn_sync` for DDP, buffer broadcasting
+    and gradient accumulation under ``no_sync()``.
 
     Args:
         group: the process group to synchronise over, or None for the world.
@@ -202,6 +205,10 @@ class InPlaceABNSync(InPlaceABN):
         self.group = group
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.training:
+            # Eval never synchronises (like torch.nn.SyncBatchNorm), so validation on a
+            # subset of ranks cannot hang, even with track_running_stats=False.
+            return super().forward(x, residual)
         momentum, training = self._momentum_and_training()
         running_mean, running_var = self._running_stats()
         return inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import _activation, _backend, _distributed
 
@@ -59,7 +60,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
             mean, var = ops.batch_stats(work)
             count = local_count
             if group is not None:
-                mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
+                mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean,
+                                                             layer=(weight, bias, running_mean, running_var))
             if count <= 1:
                 raise ValueError(
                     f"Expected more than 1 value per channel when training, got {count} "
@@ -176,16 +178,62 @@ def _check_args(x, weight, bias, running_mean, running_var, residual, training, 
         )
 
 
+def _standard_ops(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
+                  activation_param, residual, weight_mode):
+    """The same math with stock operators (batch_norm + activation), not in place.
+
+    Used under torch.export / torch.jit.trace, so that exported programs and
+    ONNX files hold only standard operators and need no custom-op library.
+    """
+    g = None
+    if weight is not None:
+        g = weight.abs() + eps
+        if weight_mode == "signed":  # sign(0) = +1; d g~ / d weight = 1 (DESIGN.md section 2)
+            g = torch.where(weight < 0, -g, g).detach() + (weight - weight.detach())
+    z = F.batch_norm(x, running_mean, running_var, g, bias, training, momentum, eps)
+    if residual is not None:
+        z = z + residual
+    if activation == "relu":
+        return F.relu(z)
+    if activation == "leaky_relu":
+        return F.leaky_relu(z, activation_param)
+    if activation == "elu":
+        return F.elu(z, activation_param)
+    if activation in ("silu", "swish"):
+        return F.silu(z)
+    return z
+
+
 def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation, activation_param,
            residual, weight_mode, group):
     _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
                 activation_param, weight_mode)
+    if group is None and (torch.compiler.is_exporting() or torch.jit.is_tracing()):
+        # Export: stock operators, the output is a new tensor (x is not overwritten).
+        return _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
+                             0.0 if momentum is None else float(momentum), float(eps), activation,
+                             float(activation_param), residual, weight_mode)
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
-    return _InPlaceABNFunction.apply(x, weight, bias, running_mean, running_var, residual, bool(training),
-                                     momentum, float(eps), activation, float(activation_param),
-                                     weight_mode == "signed", group)
+    args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
+            float(activation_param), weight_mode == "signed", group)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))):
+        # No autograd node needed (no_grad, inference_mode, frozen model): run the forward
+        # directly. Same result; and torch.compile cannot trace ctx.mark_dirty outside one.
+        with torch.no_grad():
+            return _InPlaceABNFunction.forward(_NoGradCtx(), *args)
+    return _InPlaceABNFunction.apply(*args)
+
+
+class _NoGradCtx:
+    """Stands in for the autograd context when no backward will run."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_dirty(self, *tensors):
+        pass
 
 
 def inplace_abn(
@@ -259,14 +307,36 @@ def inplace_abn_sync(
 ) -> torch.Tensor:
     """`inplace_abn` with batch statistics computed over a process group.
 
-    Every rank of ``group`` (default: the world) must call it; inputs may
-    differ in batch and spatial size, even be empty, but not in channels.
-    Without an initialised torch.distributed it falls back to `inplace_abn`
-    with a single warning. Eval mode runs no collective.
+    Every rank of ``group`` (default: the world) must call it, in the same
+    order, and run its backward; inputs may differ in batch and spatial size,
+    even be empty (such a rank still takes part and gets an empty gradient),
+    but not in channels or precision. Without an initialised torch.distributed
+    it falls back to `inplace_abn` with a single warning.
+
+    Communication (DESIGN.md section 4), whatever the world size: in training,
+    one float64 all_reduce of 2C + 1 values per forward and one all_reduce of
+    2C values (float64 for float64 inputs, else float32) per backward; the
+    first training call of each layer adds one check of 4 values, after which
+    ranks that disagree on C raise the same ValueError together. A global count
+    of one value per channel raises the same ValueError on every rank.
+    ``training=False`` runs no collective. Running statistics are updated with
+    the global count (unbiased variance with n - 1 over all ranks), so they
+    stay identical on every rank.
+
+    With DistributedDataParallel, each forward and each backward of the layer
+    synchronises, including under ``no_sync()`` (gradient accumulation): that
+    context only defers DDP's gradient all_reduce; batch statistics are always
+    those of the current micro-batch over all ranks. ``broadcast_buffers``
+    is harmless (the running statistics are already equal on every rank).
+
+    Under torch.compile a synchronised training call is one graph break (it
+    runs eagerly, the rest of the model stays compiled; torch.nn.SyncBatchNorm
+    breaks there too): its collectives need host-side values, see
+    ``_apply_synced``. Eval mode compiles with fullgraph=True.
     """
     global _warned_no_dist
     if not (dist.is_available() and dist.is_initialized()):
-        if not _warned_no_dist:
+        if training and not _warned_no_dist:  # eval mode synchronises nothing anyway
             _warned_no_dist = True
             import warnings
 
@@ -277,10 +347,21 @@ def inplace_abn_sync(
                 stacklevel=2,
             )
         group = None
-    elif group is None:
-        group = dist.group.WORLD
-    return _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
-                  activation_param, residual, weight_mode, group if training else None)
+    else:
+        group = _distributed.resolve_group(group) if training else None
+    return (_apply if group is None else _apply_synced)(x, weight, bias, running_mean, running_var, training,
+                                                        momentum, eps, activation, activation_param, residual,
+                                                        weight_mode, group)
+
+
+# torch.compile: a synchronised training call runs eagerly, as one unit (one
+# graph break per layer; the rest of the model stays compiled). Its collectives
+# need host values (the global count for the n <= 1 check and the running
+# variance, the one-time channel check), which a graph cannot hold; tracing
+# into it would only split it into many small graphs. Eval mode and calls
+# without a process group are traced as usual (no graph break).
+_apply_synced = torch.compiler.disable(
+    _apply, reason="InPlaceABNSync: statistics all_reduce needs host-side values (global count, channel check)")
 
 
 __all__ = ["inplace_abn", "inplace_abn_sync"]

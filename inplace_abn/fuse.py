@@ -1,0 +1,217 @@
+"""Inference folding: `fuse_for_inference` turns every eval-mode ABN,
+InPlaceABN and InPlaceABNSync of a model into standard operators.
+
+In eval mode such a layer computes, per channel c (DESIGN.md section 1),
+
+    y = f(scale * x + shift [+ residual]),
+    scale = g~ / sqrt(running_var + eps),  shift = beta - running_mean * scale,
+
+with g~ = |gamma| + eps ("abs") or sign(gamma)(|gamma| + eps) ("signed";
+stock `ABN` uses gamma itself). `FoldedABN` holds scale and shift as
+buffers and evaluates this with multiply, add and the stock activation: no
+custom operator, nothing in place, and a torch.export or ONNX graph of
+``Mul, Add, LeakyRelu`` (or Elu, Sigmoid+Mul, Relu).
+
+When the layer's input is the output of a convolution used by nothing else,
+scale and shift go into the convolution's weight and bias instead, and the
+layer becomes its activation alone (``Conv, LeakyRelu``). "Used by nothing
+else" is proven, not assumed: inside an ``nn.Sequential`` (a Conv directly
+followed by the layer), or from a ``torch.fx`` trace of the model in which
+the convolution and the layer are each called once and the layer is the
+convolution's only user. Models that torch.fx cannot trace are still folded,
+only without the convolution step outside Sequentials.
+"""
+import copy
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .abn import ABN, InPlaceABN
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class FoldedABN(nn.Module):
+    """y = f(scale * x + shift [+ residual]) with stock operators (inference only).
+
+    ``scale`` and ``shift`` are (C,) buffers, or None when they were folded
+    into the preceding convolution (the module is then the activation alone).
+    ``forward(x, residual=None)`` takes the arguments of the layer it replaces
+    and returns a new tensor (x is not overwritten).
+    """
+
+    def __init__(self, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], activation: str = "identity",
+                 activation_param: float = 0.01):
+        super().__init__()
+        self.register_buffer("scale", scale)
+        self.register_buffer("shift", shift)
+        self.activation = activation
+        self.activation_param = activation_param
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        z = x
+        if self.scale is not None:
+            shape = (1, -1) + (1,) * (x.dim() - 2)
+            z = z * self.scale.view(shape) + self.shift.view(shape)
+        if residual is not None:
+            z = z + residual
+        if self.activation == "relu":
+            return F.relu(z)
+        if self.activation == "leaky_relu":
+            return F.leaky_relu(z, self.activation_param)
+        if self.activation == "elu":
+            return F.elu(z, self.activation_param)
+        if self.activation in ("silu", "swish"):
+            return F.silu(z)
+        return z
+
+    def extra_repr(self) -> str:
+        folded = "" if self.scale is not None else ", folded into the convolution"
+        param = f"[{self.activation_param}]" if self.activation in ("leaky_relu", "elu") else ""
+        return f"activation={self.activation}{param}{folded}"
+
+
+def _scale_shift(layer: ABN):
+    """(scale, shift) of an eval-mode layer, computed in float64."""
+    var = layer.running_var.detach().double()
+    mean = layer.running_mean.detach().double()
+    if layer.weight is None:
+        g = torch.ones_like(var)
+    elif isinstance(layer, InPlaceABN):
+        w = layer.weight.detach().double()
+        g = w.abs() + layer.eps
+        if layer.weight_mode == "signed":
+            g = torch.where(w < 0, -g, g)
+    else:  # ABN: stock BatchNorm weight
+        g = layer.weight.detach().double()
+    beta = torch.zeros_like(var) if layer.bias is None else layer.bias.detach().double()
+    scale = g * torch.rsqrt(var + layer.eps)
+    return scale, beta - mean * scale
+
+
+def _foldable(layer: nn.Module) -> bool:
+    if not isinstance(layer, ABN):
+        return False
+    if layer.running_mean is None:  # batch statistics in eval mode too: nothing to fold
+        return False
+    if layer.training:
+        raise ValueError(f"fuse_for_inference: {type(layer).__name__} is in training mode; call model.eval() first")
+    return True
+
+
+def _fold_into_conv(conv: nn.Module, scale: torch.Tensor, shift: torch.Tensor) -> None:
+    w = conv.weight
+    shape = (-1,) + (1,) * (w.dim() - 1)
+    with torch.no_grad():
+        new_w = (w.detach().double() * scale.view(shape)).to(w.dtype)
+        b = torch.zeros_like(shift) if conv.bias is None else conv.bias.detach().double()
+        new_b = (b * scale + shift).to(w.dtype)
+    conv.weight = nn.Parameter(new_w, requires_grad=w.requires_grad)
+    conv.bias = nn.Parameter(new_b, requires_grad=w.requires_grad)
+
+
+def _conv_pairs_sequential(model: nn.Module):
+    """(conv, layer) pairs where the layer directly follows the conv in an nn.Sequential."""
+    pairs = []
+    for seq in model.modules():
+        if isinstance(seq, nn.Sequential):
+            mods = list(seq)
+            for a, b in zip(mods, mods[1:]):
+                if isinstance(a, _CONVS) and _foldable(b):
+                    pairs.append((a, b))
+    return pairs
+
+
+def _conv_pairs_fx(model: nn.Module):
+    """(conv, layer) pairs proven by a torch.fx trace, or None if the model does not trace."""
+    import torch.fx
+
+    class _Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, _CONVS + (ABN,)) or super().is_leaf_module(m, qualname)
+
+    try:
+        graph = _Tracer().trace(model)
+    except Exception:  # dynamic control flow etc.: fall back to nn.Sequential analysis
+        return None
+    calls = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(node.target, []).append(node)
+    pairs = []
+    for node in graph.nodes:
+        if node.op != "call_module" or len(calls[node.target]) != 1:
+            continue
+        layer = model.get_submodule(node.target)
+        if not _foldable(layer) or not node.args:
+            continue
+        src = node.args[0]
+        if not (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(calls[src.target]) == 1):
+            continue
+        conv = model.get_submodule(src.target)
+        if not isinstance(conv, _CONVS):
+            continue
+        # The layer must be the conv output's only user, and use it only as x.
+        if len(src.users) != 1 or node.args.count(src) != 1 or src in node.kwargs.values():
+            continue
+        pairs.append((conv, layer))
+    return pairs
+
+
+def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool = False) -> nn.Module:
+    """Replace every eval-mode ABN / InPlaceABN / InPlaceABNSync by standard operators.
+
+    Each layer becomes a `FoldedABN`: y = f(scale * x + shift [+ residual])
+    with the layer's running statistics and affine parameters folded into
+    ``scale`` and ``shift`` (float64 arithmetic, stored in the layer's dtype).
+    With ``fold_conv``, a layer whose input is a convolution's output used by
+    nothing else (see the module docstring) is folded into that convolution's
+    weight and bias, leaving only the activation.
+
+    Layers without running statistics (``track_running_stats=False``: batch
+    statistics in eval mode too) are left as they are; under torch.export
+    they still become stock ``batch_norm`` + activation.
+
+    Args:
+        model: the model, in eval mode (a layer in training mode raises ValueError).
+        fold_conv: also fold into preceding convolutions.
+        inplace: modify ``model`` itself instead of a deep copy.
+    Returns:
+        The folded model, for inference: its outputs equal the original
+        model's eval-mode outputs up to float rounding; it needs no custom
+        operator, so torch.export and ONNX graphs of it hold only standard ones.
+    """
+    if not inplace:
+        model = copy.deepcopy(model)
+    if isinstance(model, ABN):
+        if not _foldable(model):
+            return model
+        scale, shift = _scale_shift(model)
+        dtype = model.running_mean.dtype
+        return FoldedABN(scale.to(dtype), shift.to(dtype), model.activation, model.activation_param)
+    into_conv = {}
+    if fold_conv:
+        pairs = _conv_pairs_fx(model)
+        if pairs is None:
+            pairs = _conv_pairs_sequential(model)
+        into_conv = {id(layer): conv for conv, layer in pairs}
+    for parent in list(model.modules()):
+        for name, layer in list(parent.named_children()):
+            if not _foldable(layer):
+                continue
+            scale, shift = _scale_shift(layer)
+            conv = into_conv.get(id(layer))
+            if conv is not None:
+                _fold_into_conv(conv, scale, shift)
+                folded = FoldedABN(None, None, layer.activation, layer.activation_param)
+            else:
+                dtype = layer.running_mean.dtype
+                folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param)
+            folded.train(False)
+            setattr(parent, name, folded)
+    return model
+
+
+__all__ = ["FoldedABN", "fuse_for_inference"]
