@@ -11,7 +11,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install --quiet torch==2.14.1 torchvision==0.29.1 ninja setuptools wheel pytest numpy tqdm matplotlib
+"$PY" -m pip install --quiet torch==2.14.1 torchvision==0.29.1 ninja setuptools wheel pytest numpy tqdm matplotlib \
+  onnx onnxruntime onnxscript
 
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
