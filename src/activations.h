@@ -38,12 +38,15 @@ IABN_HD float iabn_log1p(float x) { return log1pf(x); }
 IABN_HD double iabn_log1p(double x) { return log1p(x); }
 IABN_HD float iabn_sqrt(float x) { return sqrtf(x); }
 IABN_HD double iabn_sqrt(double x) { return sqrt(x); }
+IABN_HD bool iabn_signbit(float x) { return copysignf(1.0f, x) < 0.0f; }
+IABN_HD bool iabn_signbit(double x) { return copysign(1.0, x) < 0.0; }
 
 // A math policy M provides: the value type T, the underlying real type Scalar
 // (float or double: it selects constants and iteration counts), c(v) for a
-// constant, the functions below, fma(a, b, c) = a * b + c, the selects
-// if_nonneg / if_less / if_set, and any(flag): whether any lane of a 0/1 flag
-// is set (for a scalar: the flag itself), used to skip rarely needed work.
+// constant, the functions below, fma(a, b, c) = a * b + c, rcp(x) = 1 / x, the selects
+// if_nonneg / if_less / if_set / if_signbit, and any(flag): whether any lane
+// of a 0/1 flag is set (for a scalar: the flag itself), used to skip rarely
+// needed work.
 template <typename S>
 struct ScalarMath {
   using T = S;
@@ -55,10 +58,15 @@ struct ScalarMath {
   static IABN_HD T log(T x) { return iabn_log(x); }
   static IABN_HD T log1p(T x) { return iabn_log1p(x); }
   static IABN_HD T sqrt(T x) { return iabn_sqrt(x); }
+  // 1 / x, to within about an ulp (a vector policy may use a hardware
+  // reciprocal estimate refined by a Newton step instead of a division)
+  static IABN_HD T rcp(T x) { return T(1) / x; }
   static IABN_HD T max(T a, T b) { return a > b ? a : b; }
   static IABN_HD T min(T a, T b) { return a < b ? a : b; }
   // v >= 0 ? a : b
   static IABN_HD T if_nonneg(T v, T a, T b) { return v >= T(0) ? a : b; }
+  // sign bit of v set (v < 0 or v = -0) ? a : b
+  static IABN_HD T if_signbit(T v, T a, T b) { return iabn_signbit(v) ? a : b; }
   // v < w ? a : b
   static IABN_HD T if_less(T v, T w, T a, T b) { return v < w ? a : b; }
   // flag != 0 ? a : b  (flag holds 0 or 1)
@@ -94,12 +102,15 @@ struct Activation<Act::Identity, M> {
   }
 };
 
+// The inverses read the branch from the sign bit of y, not from y >= 0: a
+// small negative z whose f(z) underflows (float16 output, s z or a (e^z - 1)
+// below the smallest subnormal) still stores -0 and keeps its branch.
 template <class M>
 struct Activation<Act::LeakyRelu, M> {
   using T = typename M::T;
   static IABN_HD T forward(T z, T s) { return M::if_nonneg(z, z, z * s); }
-  static IABN_HD T inverse(T y, T, T s) { return M::if_nonneg(y, y, y / s); }
-  static IABN_HD T deriv(T y, T, T s) { return M::if_nonneg(y, M::c(1.0), s); }
+  static IABN_HD T inverse(T y, T, T s) { return M::if_signbit(y, y / s, y); }
+  static IABN_HD T deriv(T y, T, T s) { return M::if_signbit(y, s, M::c(1.0)); }
   static IABN_HD T inverse_deriv(T y, T left, T s, T& d) {
     d = deriv(y, y, s);
     return inverse(y, left, s);
@@ -115,9 +126,9 @@ struct Activation<Act::Elu, M> {
   // y/a is clamped above -1 so log1p stays finite when exp(z) underflowed.
   static IABN_HD T inverse(T y, T, T a) {
     T u = M::max(y / a, M::c(-1.0) + M::c(kTiny()));
-    return M::if_nonneg(y, y, M::log1p(M::min(u, M::c(0.0))));
+    return M::if_signbit(y, M::log1p(M::min(u, M::c(0.0))), y);
   }
-  static IABN_HD T deriv(T y, T, T a) { return M::if_nonneg(y, M::c(1.0), y + a); }
+  static IABN_HD T deriv(T y, T, T a) { return M::if_signbit(y, y + a, M::c(1.0)); }
   static IABN_HD T inverse_deriv(T y, T left, T a, T& d) {
     d = deriv(y, y, a);
     return inverse(y, left, a);
@@ -139,15 +150,16 @@ struct Activation<Act::Elu, M> {
 //  - left branch, y <= -0.1: z = z* + d P_L(d) (degree 8); the fits are of
 //    (z - z*) / d, so the guess is exact at z* itself, where Halley's step
 //    degenerates;
-//  - left tail, y > -0.1: with v = -log(-y), l = log v, -z = v + P_T(l)
-//    (z + log(-z) - log1p(e^z) = -v exactly); two logs, computed only when
-//    some lane needs them (M::any).
+//  - left tail, y > -0.1: with v = -log(-y) (z + log(-z) - log1p(e^z) = -v
+//    exactly), -z = v + P_M(v) for v <= 7 (z >~ -9.3), else -z = v + P_T(l),
+//    l = log v; computed only when some lane needs them (M::any).
 // Halley's step is scale-invariant, so it is taken on g / sigmoid(z), whose
 // terms stay O(1) where f underflows (z -> -inf):
 //   G = z - y (1 + e^-z), G' = 1 + z (1 - s), G'' = (1 - s)(2 + z (1 - 2s)).
-// Iterates are clamped to their branch and, on the left, above zmin so that
-// e^-z stays finite. f'(z) for the backward reuses s = sigmoid of the last
-// iterate, moved to the final z by a second-order Taylor step.
+// Within d_skip of y* the guess is kept as it is (see inverse_deriv); before
+// another step, iterates are clamped above zmin so that e^-z stays finite. f'(z) for the backward reuses the last step's
+// s f'/s and s f''/s: f'(z + step) = f'(z) + f''(z) step (error ~ step^2,
+// below the rounding error once the iteration has converged).
 // Near z* the inverse is ill-conditioned (error ~ sqrt(2 delta / curv)) but
 // f'(z) ~ 0 damps the gradient there (DESIGN.md section 3).
 template <class M>
@@ -155,7 +167,7 @@ struct Activation<Act::Silu, M> {
   using T = typename M::T;
   static constexpr int kIters = IsSingle<M>::value ? 1 : 2;
 
-  static IABN_HD T sigmoid(T z) { return M::c(1.0) / (M::c(1.0) + M::exp(M::c(0.0) - z)); }
+  static IABN_HD T sigmoid(T z) { return M::rcp(M::c(1.0) + M::exp(M::c(0.0) - z)); }
   static IABN_HD T forward(T z, T) { return z * sigmoid(z); }
   // 1 where z is on the left branch (z < z*), else 0.
   static IABN_HD T branch(T z) { return M::if_less(z, M::c(kSiluZStar), M::c(1.0), M::c(0.0)); }
@@ -165,8 +177,8 @@ struct Activation<Act::Silu, M> {
   static IABN_HD double tiny() { return IsSingle<M>::value ? 1.1754943508222875e-38 : 2.2250738585072014e-308; }
 
   // Initial guess (see above); y >= y* already.
-  static IABN_HD T guess(T y, T left) {
-    const T d = M::sqrt(y - M::c(kSiluYStar));
+  static IABN_HD T guess(T y, T left, T& d) {
+    d = M::sqrt(y - M::c(kSiluYStar));
     // right branch: z* + d P_R(d), d <= sqrt(8 - y*)
     T dr = M::min(d, M::c(2.8772320974785948));
     T pr = M::fma(dr, M::c(-0.0043686086494414723), M::c(0.062003737048004402));
@@ -189,54 +201,76 @@ struct Activation<Act::Silu, M> {
     pl = M::fma(dl, pl, M::c(-3.0300407982908322));
     T zl = M::fma(dl, pl, M::c(kSiluZStar));
     T z = M::if_set(left, zl, zr);
-    // left tail
-    T tail = M::if_set(left, M::if_less(M::c(-0.1), y, M::c(1.0), M::c(0.0)), M::c(0.0));
+    // left tail, y > -0.1: v = -log(-y) in (2.3, inf)
+    T tail = M::if_less(M::c(-0.1), y, left, M::c(0.0));
     if (M::any(tail)) {
       T v = M::c(0.0) - M::log(M::max(M::c(0.0) - y, M::c(tiny())));
-      // l - l_c, l in [log(-log(0.1)), log(745)], l_c the middle
-      T l = M::log(M::max(v, M::c(2.302585092994046))) - M::c(3.7237083318137576);
-      l = M::min(l, M::c(2.889675886565802));
-      T pt = M::fma(l, M::c(-1.4676309751270514e-05), M::c(5.055591860745925e-05));
-      pt = M::fma(l, pt, M::c(8.1898479707041648e-05));
-      pt = M::fma(l, pt, M::c(-0.0002393719920013013));
-      pt = M::fma(l, pt, M::c(-0.00040097981410288264));
-      pt = M::fma(l, pt, M::c(-0.0019697637817100858));
-      pt = M::fma(l, pt, M::c(0.0201733419042236));
-      pt = M::fma(l, pt, M::c(0.93583540482163208));
-      pt = M::fma(l, pt, M::c(3.8116962991303072));
-      z = M::if_set(tail, M::c(0.0) - (v + pt), z);
+      // v <= 7 (z >~ -9.3): -z = v + P_M(v) (degree 8)
+      T u = M::min(v, M::c(7.0)) - M::c(4.6512925464970225);
+      T pm = M::fma(u, M::c(-6.6388539923139274e-06), M::c(2.3622421356503015e-05));
+      pm = M::fma(u, pm, M::c(-1.2901139011804238e-05));
+      pm = M::fma(u, pm, M::c(9.4744024228088976e-05));
+      pm = M::fma(u, pm, M::c(-0.00079536020730284172));
+      pm = M::fma(u, pm, M::c(0.0036689775722755966));
+      pm = M::fma(u, pm, M::c(-0.020607534197272181));
+      pm = M::fma(u, pm, M::c(0.18296765133101114));
+      pm = M::fma(u, pm, M::c(1.874256446353217));
+      T zt = M::c(0.0) - (v + pm);
+      // v > 7: -z = v + P_T(l), l = log v
+      T far = M::if_less(M::c(7.0), v, tail, M::c(0.0));
+      if (M::any(far)) {
+        // l - l_c, l in [log(-log(0.1)), log(745)], l_c the middle
+        T l = M::log(M::max(v, M::c(2.302585092994046))) - M::c(3.7237083318137576);
+        l = M::min(l, M::c(2.889675886565802));
+        T pt = M::fma(l, M::c(-1.4676309751270514e-05), M::c(5.055591860745925e-05));
+        pt = M::fma(l, pt, M::c(8.1898479707041648e-05));
+        pt = M::fma(l, pt, M::c(-0.0002393719920013013));
+        pt = M::fma(l, pt, M::c(-0.00040097981410288264));
+        pt = M::fma(l, pt, M::c(-0.0019697637817100858));
+        pt = M::fma(l, pt, M::c(0.0201733419042236));
+        pt = M::fma(l, pt, M::c(0.93583540482163208));
+        pt = M::fma(l, pt, M::c(3.8116962991303072));
+        zt = M::if_set(far, M::c(0.0) - (v + pt), zt);
+      }
+      // (only the far tail can go below zmin)
+      z = M::if_set(tail, M::max(zt, M::c(zmin())), z);
     }
-    return M::if_set(left, M::max(z, M::c(zmin())), z);
+    return z;
   }
 
   // z = f^-1(y) on the branch `left` (0/1) and d = f'(z).
   static IABN_HD T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters) {
     const T one = M::c(1.0);
-    const T zs = M::c(kSiluZStar);
     T y = M::max(y_in, M::c(kSiluYStar));
-    T z = guess(y, left);
-    T s = M::c(0.5), oms = M::c(0.5), step = M::c(0.0);
+    T d;
+    T z = guess(y, left, d);
+    // Within d_skip of y* (|z - z*| < ~3 d_skip) the guess is already within
+    // the conditioning error (its error is ~3e-5 d) and rounding in g could
+    // make Halley's denominator vanish: no step there. Elsewhere the
+    // denominator is ~(z - z*)^2 > 0 and the step stays on its branch.
+    const T d_skip = M::c(IsSingle<M>::value ? 1e-2 : 1e-7);
+    T s = M::c(0.5), gp = M::c(0.0), gpp = M::c(0.0), dz = M::c(0.0);
     for (int i = 0; i < iters; ++i) {
       T e = M::exp(M::c(0.0) - z);
       T q = one + e;
-      s = one / q;
-      oms = e * s;  // 1 - s, accurate when s -> 1
-      T g = M::fma(M::c(0.0) - y, q, z);
-      T gp = M::fma(z, oms, one);
-      T gpp = oms * M::fma(z, M::fma(M::c(-2.0), s, one), M::c(2.0));
+      s = M::rcp(q);
+      T oms = e * s;  // 1 - s, accurate when s -> 1
+      T g = z - y * q;
+      gp = M::fma(z, oms, one);
+      gpp = oms * M::fma(z, M::fma(M::c(-2.0), s, one), M::c(2.0));
       T den = M::fma(M::c(-0.5) * g, gpp, gp * gp);
-      // den vanishes only at z* itself, where the guess is exact (g = 0).
-      den = M::if_less(M::max(den, M::c(0.0) - den), M::c(tiny()), M::c(tiny()), den);
-      T zn = z - g * gp / den;
-      zn = M::if_set(left, M::max(M::min(zn, zs), M::c(zmin())), M::max(zn, zs));
-      step = zn - z;
-      z = zn;
+      dz = M::if_less(d, d_skip, M::c(0.0), g * gp * M::rcp(den));
+      if (i + 1 < iters) {
+        // e^-z must stay finite for the next step
+        T zn = M::max(z - dz, M::c(zmin()));
+        dz = z - zn;
+        z = zn;
+      } else {
+        z = z - dz;
+      }
     }
-    // sigmoid(z + step) = s + s(1-s) step (1 + (1 - 2s) step / 2) + O(step^3)
-    T ds = s * oms * step * M::fma(M::c(0.5) * step, M::fma(M::c(-2.0), s, one), one);
-    T s1 = s + ds;
-    T oms1 = oms - ds;
-    dfdz = s1 * M::fma(z, oms1, one);
+    // f'(z - dz) = f'(z) - f''(z) dz + O(dz^2), f' = s gp, f'' = s gpp
+    dfdz = s * (gp - gpp * dz);
     return z;
   }
   static IABN_HD T inverse(T y, T left, T p, int iters = kIters) {

@@ -20,6 +20,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -31,6 +32,7 @@ namespace gpu {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kEwThreads = 256;   // element-wise kernels (1D blocks)
+constexpr int kEwMinBlocks = 3;   // resident blocks per SM the element-wise kernels are compiled for
 constexpr int kRedThreads = 512;  // reduction kernels (1D contiguous, 2D channels-last)
 constexpr int kFinThreads = 256;  // finalize kernels: one warp per channel
 
@@ -75,11 +77,6 @@ __device__ __forceinline__ acc_t to_acc(T v) {
   return static_cast<acc_t>(v);
 }
 
-// xhat = (z - residual - beta) / g~, with 1/g~ precomputed per channel.
-template <typename acc_t>
-__device__ __forceinline__ acc_t xhat_of(acc_t z, acc_t r, acc_t beta, acc_t invg) {
-  return (z - r - beta) * invg;
-}
 
 // ---------------------------------------------------------------------------
 // Channel of a memory position, tracked incrementally (no division per step).
@@ -112,6 +109,73 @@ struct ChanCursor {
   }
 };
 
+// Per-channel coefficients (R rows of the coef table) for the element-wise
+// kernels, without a load per element in the common cases:
+//  kFixed: the thread's channels never change (channels-last, with a grid
+//          whose element stride is a multiple of C, see ew_config in
+//          ops_impl.h): loaded into registers once, before the loop;
+//  else:   a vector inside one channel (planar layout, s + K <= inner) uses R
+//          scalars, reloaded only when the channel changes (one cache per
+//          unrolled slot u); a vector across channels loads per element.
+// apply(u, cur, f) calls f(get) with get(r, j) the coefficient r of element j
+// of the vector that starts at cursor `cur`.
+template <typename acc_t, int R, int K, int U, bool kFixed>
+struct CoefSource {
+  const acc_t* __restrict__ coef;
+  int64_t C, inner;
+  acc_t fixed[kFixed ? R : 1][kFixed ? K : 1];
+  acc_t uni[U][R];
+  int64_t cached[U];
+
+  __device__ __forceinline__ CoefSource(const acc_t* __restrict__ coef_, int64_t C_, int64_t inner_, ChanCursor cur)
+      : coef(coef_), C(C_), inner(inner_) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) cached[u] = -1;
+    if constexpr (kFixed) {
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) fixed[r][j] = coef[r * C + cur.c];
+        cur.next(inner, C);
+      }
+    }
+  }
+
+  template <int u, class F>
+  __device__ __forceinline__ void apply(const ChanCursor& cur, F&& f) {
+    if constexpr (kFixed) {
+      f([&](int r, int j) { return fixed[r][j]; });
+    } else {
+      if (cur.s + K <= inner) {
+        if (cur.c != cached[u]) {
+          cached[u] = cur.c;
+#pragma unroll
+          for (int r = 0; r < R; ++r) uni[u][r] = coef[r * C + cur.c];
+        }
+        f([&](int r, int) { return uni[u][r]; });
+      } else {
+        int64_t ch[K];
+        ChanCursor cc = cur;
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+          ch[j] = cc.c;
+          cc.next(inner, C);
+        }
+        f([&](int r, int j) { return coef[r * C + ch[j]]; });
+      }
+    }
+  }
+};
+
+// Element-wise kernels process unroll<scalar_t>() vectors per thread and step
+// (all loads first), for more bytes in flight: 2 x 16 bytes for float and
+// double; 1 for the 16-bit types, whose 8 elements per vector already take the
+// registers (more would spill).
+template <typename scalar_t>
+constexpr int unroll() {
+  return sizeof(scalar_t) == 2 ? 1 : 2;
+}
+
 // ---------------------------------------------------------------------------
 // Per-channel parameters in whatever float dtype they come in (AMP: bf16 x with
 // float32 statistics), read once per channel by coef_kernel.
@@ -142,44 +206,50 @@ __device__ __forceinline__ acc_t load_param(const ChanParam& p, int64_t c, acc_t
 }
 
 // Rows of the per-channel coefficient table written by coef_kernel (row r of
-// channel c at coef[r * C + c]).
+// channel c at coef[r * C + c]), computed in double and stored in acc_t; the
+// same per-channel coefficients as the CPU kernels (src/cpu/cpu_ops.cpp).
 enum CoefMode : int { kCoefForward = 0, kCoefReduce = 1, kCoefInput = 2 };
-// forward:         mean, scale = g~ r, beta
-constexpr int kFwdMean = 0, kFwdScale = 1, kFwdBeta = 2, kFwdRows = 3;
-// backward_reduce: 1/g~, beta
-constexpr int kRedInvG = 0, kRedBeta = 1, kRedRows = 2;
-// backward_input:  scale = g~ r, beta, 1/g~, mean_gz, mean_gz_xhat
-constexpr int kInScale = 0, kInBeta = 1, kInInvG = 2, kInMg = 3, kInMgx = 4, kInRows = 5;
+// forward:  z = ((x - mean_hi) - mean_lo) * scale + shift [+ res], with
+//           scale = g~ r and the mean split into acc_t hi + lo (a float64
+//           mean keeps its accuracy in float arithmetic when |mean| >> std).
+constexpr int kFwdMeanHi = 0, kFwdMeanLo = 1, kFwdScale = 2, kFwdShift = 3, kFwdRows = 4;
+// backward_reduce: zc = z - shift [- res]; sums gz and gz zc; S_gx = sum(gz zc) / g~.
+constexpr int kRedShift = 0, kRedGain = 1, kRedRows = 2;
+// backward_input: dx = a gz + b zc + c0, i.e. g~ r (gz - mean_gz - xhat mean_gz_xhat)
+//           with a = g~ r, b = -r mean_gz_xhat, c0 = -g~ r mean_gz.
+constexpr int kInShift = 0, kInA = 1, kInB = 2, kInC0 = 3, kInRows = 4;
 
 // g~ of a channel: effective_weight(gamma) with a weight, 1 without one (as the
-// original mapillary kernels: a non-affine layer normalises to xhat).
-template <typename acc_t>
-__device__ __forceinline__ acc_t channel_gain(const ChanParam& w, int64_t c, acc_t eps, bool signed_mode) {
-  return w.kind == kParamNone ? acc_t(1) : effective_weight<acc_t>(load_param<acc_t>(w, c, acc_t(1)), eps, signed_mode);
+// original mapillary kernels and the CPU backend: a non-affine layer
+// normalises to xhat).
+__device__ __forceinline__ double channel_gain(const ChanParam& w, int64_t c, double eps, bool signed_mode) {
+  return w.kind == kParamNone ? 1.0 : effective_weight<double>(load_param<double>(w, c, 1.0), eps, signed_mode);
 }
 
 template <typename acc_t>
 __global__ void __launch_bounds__(kEwThreads)
     coef_kernel(int mode, int64_t C, ChanParam mean, ChanParam var, ChanParam weight, ChanParam bias, ChanParam mg,
-                ChanParam mgx, acc_t eps, bool signed_mode, acc_t* __restrict__ coef) {
+                ChanParam mgx, double eps, bool signed_mode, acc_t* __restrict__ coef) {
   for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < C; c += (int64_t)gridDim.x * blockDim.x) {
-    const acc_t g = channel_gain<acc_t>(weight, c, eps, signed_mode);
-    const acc_t beta = load_param<acc_t>(bias, c, acc_t(0));
+    const double g = channel_gain(weight, c, eps, signed_mode);
+    const double shift = load_param<double>(bias, c, 0.0);
     if (mode == kCoefForward) {
-      const acc_t r = acc_t(1) / ScalarMath<acc_t>::sqrt(load_param<acc_t>(var, c, acc_t(0)) + eps);
-      coef[kFwdMean * C + c] = load_param<acc_t>(mean, c, acc_t(0));
-      coef[kFwdScale * C + c] = g * r;
-      coef[kFwdBeta * C + c] = beta;
+      const double r = 1.0 / ScalarMath<double>::sqrt(load_param<double>(var, c, 0.0) + eps);
+      const double mu = load_param<double>(mean, c, 0.0);
+      const acc_t hi = static_cast<acc_t>(mu);
+      coef[kFwdMeanHi * C + c] = hi;
+      coef[kFwdMeanLo * C + c] = static_cast<acc_t>(mu - static_cast<double>(hi));
+      coef[kFwdScale * C + c] = static_cast<acc_t>(g * r);
+      coef[kFwdShift * C + c] = static_cast<acc_t>(shift);
     } else if (mode == kCoefReduce) {
-      coef[kRedInvG * C + c] = acc_t(1) / g;
-      coef[kRedBeta * C + c] = beta;
+      coef[kRedShift * C + c] = static_cast<acc_t>(shift);
+      coef[kRedGain * C + c] = static_cast<acc_t>(g);
     } else {
-      const acc_t r = acc_t(1) / ScalarMath<acc_t>::sqrt(load_param<acc_t>(var, c, acc_t(0)) + eps);
-      coef[kInScale * C + c] = g * r;
-      coef[kInBeta * C + c] = beta;
-      coef[kInInvG * C + c] = acc_t(1) / g;
-      coef[kInMg * C + c] = load_param<acc_t>(mg, c, acc_t(0));
-      coef[kInMgx * C + c] = load_param<acc_t>(mgx, c, acc_t(0));
+      const double r = 1.0 / ScalarMath<double>::sqrt(load_param<double>(var, c, 0.0) + eps);
+      coef[kInShift * C + c] = static_cast<acc_t>(shift);
+      coef[kInA * C + c] = static_cast<acc_t>(g * r);
+      coef[kInB * C + c] = static_cast<acc_t>(-r * load_param<double>(mgx, c, 0.0));
+      coef[kInC0 * C + c] = static_cast<acc_t>(-g * r * load_param<double>(mg, c, 0.0));
     }
   }
 }
@@ -210,17 +280,19 @@ __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, ui
 }
 
 // ---------------------------------------------------------------------------
-// forward_: y = f((x - mean) * g~ r + beta [+ residual]) written into x.
+// forward_: y = f((x - mean) g~ r + beta [+ residual]) written into x.
+// Each thread reads then writes its own positions only; x and res carry no
+// __restrict__ so that a residual aliasing x stays correct.
+// Thread t handles the vectors v = t + (i U + u) vstride (u < U), vector v
+// being elements [v K, v K + K); a warp's 32 vectors are consecutive and start
+// at a multiple of 32 K, so they fill K whole mask words.
 
-template <typename scalar_t, typename acc_t, Act A, int K>
-__global__ void __launch_bounds__(kEwThreads)
-    forward_kernel(scalar_t* x, const scalar_t* __restrict__ res, uint32_t* __restrict__ mask,
+template <typename scalar_t, typename acc_t, Act A, int K, bool kFixed>
+__global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
+    forward_kernel(scalar_t* x, const scalar_t* res, uint32_t* __restrict__ mask,
                    const acc_t* __restrict__ coef, acc_t param, int64_t numel, int64_t inner, int64_t C) {
   using Fn = Activation<A, ScalarMath<acc_t>>;
-  const acc_t* __restrict__ c_mean = coef + kFwdMean * C;
-  const acc_t* __restrict__ c_scale = coef + kFwdScale * C;
-  const acc_t* __restrict__ c_beta = coef + kFwdBeta * C;
-
+  constexpr int U = unroll<scalar_t>();
   const int lane = threadIdx.x & 31;
   const int64_t nvec = (numel + K - 1) / K;
   const int64_t vstride = (int64_t)gridDim.x * blockDim.x;
@@ -229,52 +301,64 @@ __global__ void __launch_bounds__(kEwThreads)
   int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   ChanCursor cur;
   cur.init(v * K, inner, C);
+  CoefSource<acc_t, kFwdRows, K, U, kFixed> co(coef, C, inner, cur);
   // The loop condition is uniform over the warp (vb: the warp's first vector),
   // so that every lane reaches the mask's warp intrinsics.
-  for (int64_t vb = v - lane; vb < nvec; vb += vstride, v += vstride) {
-    const int64_t e = v * K;
-    uint32_t bits = 0;
-    if (v < nvec) {
-      const bool full = e + K <= numel;
-      const int64_t remain = numel - e;
-      scalar_t xv[K], rv[K];
-      load_k<K>(x + e, xv, full, remain);
-      if (res != nullptr) load_k<K>(res + e, rv, full, remain);
-      ChanCursor cc = cur;
+  for (int64_t vb = v - lane; vb < nvec; vb += U * vstride, v += U * vstride) {
+    scalar_t xv[U][K], rv[U][K];
+    ChanCursor cu[U];
 #pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const int64_t c = cc.c;
-        acc_t z = (to_acc<acc_t>(xv[j]) - c_mean[c]) * c_scale[c] + c_beta[c];
-        if (res != nullptr) z += to_acc<acc_t>(rv[j]);
-        xv[j] = static_cast<scalar_t>(Fn::forward(z, param));
-        if constexpr (A == Act::Silu) {
-          if (j < remain && Fn::branch(z) != acc_t(0)) bits |= 1u << j;
-        }
-        cc.next(inner, C);
+    for (int u = 0; u < U; ++u) {
+      cu[u] = cur;
+      if constexpr (!kFixed) cur.jump(rs, dcq, inner, C);
+      const int64_t e = (v + u * vstride) * K;
+      if (e < numel) {
+        load_k<K>(x + e, xv[u], e + K <= numel, numel - e);
+        if (res != nullptr) load_k<K>(res + e, rv[u], e + K <= numel, numel - e);
       }
-      store_k<K>(x + e, xv, full, remain);
     }
-    if constexpr (A == Act::Silu) write_mask_words<K>(mask, bits, lane, e, numel);
-    cur.jump(rs, dcq, inner, C);
+    auto step = [&](auto uc) {
+      constexpr int u = decltype(uc)::value;
+      const int64_t e = (v + u * vstride) * K;
+      uint32_t bits = 0;
+      if (e < numel) {
+        const bool full = e + K <= numel;
+        const int64_t remain = numel - e;
+        co.template apply<u>(cu[u], [&](auto get) {
+#pragma unroll
+          for (int j = 0; j < K; ++j) {
+            acc_t z = ((to_acc<acc_t>(xv[u][j]) - get(kFwdMeanHi, j)) - get(kFwdMeanLo, j)) * get(kFwdScale, j) +
+                      get(kFwdShift, j);
+            if (res != nullptr) z += to_acc<acc_t>(rv[u][j]);
+            xv[u][j] = static_cast<scalar_t>(Fn::forward(z, param));
+            if constexpr (A == Act::Silu) {
+              if (j < remain && Fn::branch(z) != acc_t(0)) bits |= 1u << j;
+            }
+          }
+        });
+        store_k<K>(x + e, xv[u], full, remain);
+      }
+      if constexpr (A == Act::Silu) write_mask_words<K>(mask, bits, lane, e, numel);
+      (void)bits;
+    };
+    static_assert(U == 1 || U == 2, "step calls below");
+    step(std::integral_constant<int, 0>{});
+    if constexpr (U == 2) step(std::integral_constant<int, 1>{});
   }
 }
 
 // ---------------------------------------------------------------------------
-// backward_input: dx = g~ r (gz - mean_gz - xhat mean_gz_xhat) [, dres = gz].
+// backward_input: dx = g~ r (gz - mean_gz - xhat mean_gz_xhat) = a gz + b zc + c0
+// [, dres = gz]. Same traversal as forward_kernel.
 
-template <typename scalar_t, typename acc_t, Act A, int K>
-__global__ void __launch_bounds__(kEwThreads)
+template <typename scalar_t, typename acc_t, Act A, int K, bool kFixed>
+__global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
     backward_input_kernel(const scalar_t* __restrict__ y, const scalar_t* __restrict__ dy,
                           const scalar_t* __restrict__ res, const uint32_t* __restrict__ mask,
                           const acc_t* __restrict__ coef, acc_t param, int64_t numel, int64_t inner, int64_t C,
                           scalar_t* __restrict__ dx, scalar_t* __restrict__ dres) {
   using Fn = Activation<A, ScalarMath<acc_t>>;
-  const acc_t* __restrict__ c_scale = coef + kInScale * C;
-  const acc_t* __restrict__ c_beta = coef + kInBeta * C;
-  const acc_t* __restrict__ c_invg = coef + kInInvG * C;
-  const acc_t* __restrict__ c_mg = coef + kInMg * C;
-  const acc_t* __restrict__ c_mgx = coef + kInMgx * C;
-
+  constexpr int U = unroll<scalar_t>();
   const int64_t nvec = (numel + K - 1) / K;
   const int64_t vstride = (int64_t)gridDim.x * blockDim.x;
   const int64_t estride = vstride * K;
@@ -282,32 +366,50 @@ __global__ void __launch_bounds__(kEwThreads)
   int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   ChanCursor cur;
   cur.init(v * K, inner, C);
-  for (; v < nvec; v += vstride) {
-    const int64_t e = v * K;
-    const bool full = e + K <= numel;
-    const int64_t remain = numel - e;
-    scalar_t yv[K], dyv[K], rv[K], dxv[K], gv[K];
-    load_k<K>(y + e, yv, full, remain);
-    load_k<K>(dy + e, dyv, full, remain);
-    if (res != nullptr) load_k<K>(res + e, rv, full, remain);
-    // e is a multiple of K, K divides 32: the K bits lie in one word.
-    const uint32_t bits = A == Act::Silu ? (mask[e >> 5] >> (e & 31)) : 0u;
-    ChanCursor cc = cur;
+  CoefSource<acc_t, kInRows, K, U, kFixed> co(coef, C, inner, cur);
+  for (; v < nvec; v += U * vstride) {
+    scalar_t yv[U][K], dyv[U][K], rv[U][K];
+    uint32_t bits[U];
+    ChanCursor cu[U];
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      const int64_t c = cc.c;
-      const acc_t yj = to_acc<acc_t>(yv[j]);
-      const acc_t z = Fn::inverse(yj, acc_t((bits >> j) & 1u), param);
-      const acc_t gz = to_acc<acc_t>(dyv[j]) * Fn::deriv(yj, z, param);
-      const acc_t rj = res != nullptr ? to_acc<acc_t>(rv[j]) : acc_t(0);
-      const acc_t xhat = xhat_of<acc_t>(z, rj, c_beta[c], c_invg[c]);
-      dxv[j] = static_cast<scalar_t>(c_scale[c] * (gz - c_mg[c] - xhat * c_mgx[c]));
-      gv[j] = static_cast<scalar_t>(gz);
-      cc.next(inner, C);
+    for (int u = 0; u < U; ++u) {
+      cu[u] = cur;
+      if constexpr (!kFixed) cur.jump(rs, dcq, inner, C);
+      const int64_t e = (v + u * vstride) * K;
+      bits[u] = 0;
+      if (e < numel) {
+        load_k<K>(y + e, yv[u], e + K <= numel, numel - e);
+        load_k<K>(dy + e, dyv[u], e + K <= numel, numel - e);
+        if (res != nullptr) load_k<K>(res + e, rv[u], e + K <= numel, numel - e);
+        // e is a multiple of K, K divides 32: the K bits lie in one word.
+        if constexpr (A == Act::Silu) bits[u] = mask[e >> 5] >> (e & 31);
+      }
     }
-    store_k<K>(dx + e, dxv, full, remain);
-    if (dres != nullptr) store_k<K>(dres + e, gv, full, remain);
-    cur.jump(rs, dcq, inner, C);
+    auto step = [&](auto uc) {
+      constexpr int u = decltype(uc)::value;
+      const int64_t e = (v + u * vstride) * K;
+      if (e >= numel) return;
+      const bool full = e + K <= numel;
+      const int64_t remain = numel - e;
+      scalar_t dxv[K], gv[K];
+      co.template apply<u>(cu[u], [&](auto get) {
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+          acc_t d;
+          const acc_t z = Fn::inverse_deriv(to_acc<acc_t>(yv[u][j]), acc_t((bits[u] >> j) & 1u), param, d);
+          const acc_t gz = to_acc<acc_t>(dyv[u][j]) * d;
+          acc_t zc = z - get(kInShift, j);
+          if (res != nullptr) zc -= to_acc<acc_t>(rv[u][j]);
+          dxv[j] = static_cast<scalar_t>(get(kInA, j) * gz + (get(kInB, j) * zc + get(kInC0, j)));
+          gv[j] = static_cast<scalar_t>(gz);
+        }
+      });
+      store_k<K>(dx + e, dxv, full, remain);
+      if (dres != nullptr) store_k<K>(dres + e, gv, full, remain);
+    };
+    static_assert(U == 1 || U == 2, "step calls below");
+    step(std::integral_constant<int, 0>{});
+    if constexpr (U == 2) step(std::integral_constant<int, 1>{});
   }
 }
 
@@ -511,17 +613,20 @@ __global__ void __launch_bounds__(kRedThreads)
 // ---------------------------------------------------------------------------
 // backward_reduce: S_g = sum gz, S_gx = sum gz xhat per channel, from y alone.
 
+// Per element: gz = dy f'(z), zc = z - shift [- res]; the kernels sum gz and
+// gz zc, and finalize_sums_kernel divides the second sum by g~ (xhat = zc / g~).
+// r = 0 without a residual (z - shift - 0 is exactly z - shift).
 template <typename acc_t, Act A>
 struct GradTerms {
-  // Accumulates gz and gz * xhat of one element into (sg, sgx).
-  static __device__ __forceinline__ void add(acc_t y, acc_t dy, acc_t r, uint32_t bit, acc_t beta, acc_t invg,
-                                             acc_t param, acc_t& sg, acc_t& sgx) {
+  static __device__ __forceinline__ void add(acc_t y, acc_t dy, acc_t r, uint32_t bit, acc_t shift, acc_t param,
+                                             acc_t& sg, acc_t& sgzc) {
     using Fn = Activation<A, ScalarMath<acc_t>>;
-    const acc_t z = Fn::inverse(y, acc_t(bit), param);
-    const acc_t gz = dy * Fn::deriv(y, z, param);
-    const acc_t xhat = xhat_of<acc_t>(z, r, beta, invg);
+    acc_t d;
+    const acc_t z = Fn::inverse_deriv(y, acc_t(bit), param, d);
+    const acc_t gz = dy * d;
+    const acc_t zc = (z - shift) - r;
     sg += gz;
-    sgx += gz * xhat;
+    sgzc += gz * zc;
   }
 };
 
@@ -542,8 +647,7 @@ __global__ void __launch_bounds__(kRedThreads)
   const int64_t i0 = begin + threadIdx.x;
   const int64_t n0 = i0 / Sv, s0 = i0 - n0 * Sv;
   for (int64_t c = blockIdx.y; c < C; c += gridDim.y) {
-    const acc_t invg = coef[kRedInvG * C + c];
-    const acc_t beta = coef[kRedBeta * C + c];
+    const acc_t shift = coef[kRedShift * C + c];
     acc_t sg = 0, sgx = 0;
     int64_t n = n0, s = s0;
     for (int64_t i = i0; i < end; i += stride) {
@@ -556,8 +660,8 @@ __global__ void __launch_bounds__(kRedThreads)
 #pragma unroll
       for (int j = 0; j < K; ++j) {
         const acc_t rj = res != nullptr ? to_acc<acc_t>(rv[j]) : acc_t(0);
-        GradTerms<acc_t, A>::add(to_acc<acc_t>(yv[j]), to_acc<acc_t>(dyv[j]), rj, (bits >> j) & 1u, beta, invg,
-                                 param, sg, sgx);
+        GradTerms<acc_t, A>::add(to_acc<acc_t>(yv[j]), to_acc<acc_t>(dyv[j]), rj, (bits >> j) & 1u, shift, param,
+                                 sg, sgx);
       }
       s += ds;
       n += dn;
@@ -586,14 +690,13 @@ __global__ void __launch_bounds__(kRedThreads)
   const int64_t cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t r0 = (int64_t)blockIdx.y * rows_per_chunk;
   const int64_t r1 = r0 + rows_per_chunk < M ? r0 + rows_per_chunk : M;
-  acc_t sg[K], sgx[K], invg[K], beta[K];
+  acc_t sg[K], sgx[K], shift[K];
 #pragma unroll
-  for (int j = 0; j < K; ++j) sg[j] = sgx[j] = invg[j] = beta[j] = acc_t(0);
+  for (int j = 0; j < K; ++j) sg[j] = sgx[j] = shift[j] = acc_t(0);
   if (cv < Cv) {
 #pragma unroll
     for (int j = 0; j < K; ++j) {
-      invg[j] = coef[kRedInvG * C + cv * K + j];
-      beta[j] = coef[kRedBeta * C + cv * K + j];
+      shift[j] = coef[kRedShift * C + cv * K + j];
     }
     for (int64_t r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
       const int64_t e = r * C + cv * K;
@@ -605,8 +708,8 @@ __global__ void __launch_bounds__(kRedThreads)
 #pragma unroll
       for (int j = 0; j < K; ++j) {
         const acc_t rj = res != nullptr ? to_acc<acc_t>(rv[j]) : acc_t(0);
-        GradTerms<acc_t, A>::add(to_acc<acc_t>(yv[j]), to_acc<acc_t>(dyv[j]), rj, (bits >> j) & 1u, beta[j],
-                                 invg[j], param, sg[j], sgx[j]);
+        GradTerms<acc_t, A>::add(to_acc<acc_t>(yv[j]), to_acc<acc_t>(dyv[j]), rj, (bits >> j) & 1u, shift[j],
+                                 param, sg[j], sgx[j]);
       }
     }
   }
@@ -648,10 +751,11 @@ __global__ void __launch_bounds__(kFinThreads)
   }
 }
 
+// out_a = sum of row 0, out_b = (sum of row 1) / divisor[c].
 template <typename acc_t>
 __global__ void __launch_bounds__(kFinThreads)
-    finalize_sums_kernel(const acc_t* __restrict__ part, int64_t nchunks, int64_t C, acc_t* __restrict__ out_a,
-                         acc_t* __restrict__ out_b) {
+    finalize_sums_kernel(const acc_t* __restrict__ part, int64_t nchunks, int64_t C,
+                         const acc_t* __restrict__ divisor, acc_t* __restrict__ out_a, acc_t* __restrict__ out_b) {
   using Op = SumOp<acc_t>;
   const int lane = threadIdx.x & 31;
   const int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -662,7 +766,7 @@ __global__ void __launch_bounds__(kFinThreads)
   v = warp_reduce<Op>(v);
   if (lane == 0) {
     out_a[c] = v.a;
-    out_b[c] = v.b;
+    out_b[c] = v.b / divisor[c];
   }
 }
 

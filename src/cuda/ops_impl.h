@@ -1,12 +1,16 @@
 // Host side of the CUDA backend: argument checks, launch configurations and
-// the four operators (schemas in src/ops.cpp, math in DESIGN.md).
+// helpers of the four operators (schemas in src/ops.cpp, math in DESIGN.md),
+// whose bodies are in op_batch_stats.h, op_forward.h, op_backward_reduce.h
+// and op_backward_input.h.
 //
 // Written against a small backend interface so that the same text runs the
-// real kernels (kernels.cu) and the CPU emulator of the kernels (src/cuda/emu).
-// The includer defines, in namespace inplace_abn::gpu::backend:
+// real kernels (backend_cuda.cuh, used by batch_stats.cu, forward.cu,
+// backward_reduce.cu, backward_input.cu) and the CPU emulator of the kernels
+// (src/cuda/emu). The includer defines, in namespace inplace_abn::gpu::backend:
 //   Stream stream();                       current stream
 //   int sm_count();                        multiprocessors of the current device
-//   constexpr int64_t kMaxGridY;           largest gridDim.y
+//   kMaxGridY                              largest gridDim.y (65535)
+//   kMaxFixedBlocks                        see ew_config
 //   void check_device(t, x, name);         t is on x's device (and x on the GPU)
 //   struct Guard { explicit Guard(const at::Tensor&); };
 //   void launch(kernel, dim3 grid, dim3 block, Stream, args...);  launch + error check
@@ -18,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -26,6 +31,13 @@
 
 namespace inplace_abn {
 namespace gpu {
+
+// Memory layout as the kernels see it.
+struct Geometry {
+  int64_t N, C, S, numel;
+  bool rows;  // memory is (N * S) rows of C channels: channels-last, or S == 1
+  int64_t inner() const { return rows ? 1 : S; }
+};
 
 // ---------------------------------------------------------------------------
 // Launch configurations (pure functions of the sizes and the device).
@@ -45,13 +57,27 @@ constexpr int64_t kMaxBlockCount = int64_t(1) << 24;
 struct EwConfig {
   int64_t blocks;
   int threads;
+  bool fixed;  // channels fixed per thread (CoefSource kFixed)
 };
 
-// Element-wise kernels: grid-stride over nvec vectors, about two waves of
-// resident blocks at most.
-inline EwConfig ew_config(int64_t nvec, int sms) {
+// Element-wise kernels: grid-stride over the numel / K vectors, about two
+// waves of resident blocks at most. For rows (channels-last) the block count
+// is rounded up to a multiple of bq, so that the grid's stride in elements,
+// blocks * threads * K, is a multiple of C and every thread keeps its channels
+// (and their coefficients, in registers) over the whole loop; when bq would be
+// too large (C with a large odd factor) the kernels load per element instead.
+inline EwConfig ew_config(int64_t numel, int64_t K, const Geometry& g, int sms, int64_t max_fixed_blocks) {
   const int64_t cap = int64_t(sms) * (2048 / kEwThreads) * 2;
-  return {std::max<int64_t>(1, std::min(ceil_div(nvec, kEwThreads), cap)), kEwThreads};
+  EwConfig cfg{std::max<int64_t>(1, std::min(ceil_div(ceil_div(numel, K), kEwThreads), cap)), kEwThreads, false};
+  if (g.rows) {
+    const int64_t q = g.C / std::gcd(g.C, K);           // threads * K % C == 0 iff q | threads
+    const int64_t bq = q / std::gcd(q, int64_t(kEwThreads));  // q | blocks * kEwThreads iff bq | blocks
+    if (bq <= max_fixed_blocks) {
+      cfg.blocks = ceil_div(cfg.blocks, bq) * bq;
+      cfg.fixed = true;
+    }
+  }
+  return cfg;
 }
 
 struct ContigConfig {
@@ -120,13 +146,6 @@ constexpr int vec_width() {
 
 inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Memory layout as the kernels see it.
-struct Geometry {
-  int64_t N, C, S, numel;
-  bool rows;  // memory is (N * S) rows of C channels: channels-last, or S == 1
-  int64_t inner() const { return rows ? 1 : S; }
-};
-
 inline Geometry geometry_of(const at::Tensor& x, Layout lay) {
   Geometry g;
   g.N = x.size(0);
@@ -144,12 +163,17 @@ inline Layout checked_layout(const at::Tensor& x, const char* name) {
   return lay;
 }
 
-// A tensor read alongside x (dy, residual) must list its elements in x's memory
-// order; one in another layout (an expanded gradient, say) is copied into it.
-inline at::Tensor match_layout(const at::Tensor& t, Layout lay) {
-  if (lay == Layout::Contiguous) return t.is_contiguous() ? t : t.contiguous();
-  const auto mf = t.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
-  return t.is_contiguous(mf) ? t : t.contiguous(mf);
+// A tensor read alongside x (dy, residual) must hold x's dtype and list its
+// elements in x's memory order; one in another layout (an expanded gradient,
+// say) or dtype is copied into x's (as the CPU backend does).
+inline at::Tensor like(const at::Tensor& t, const at::Tensor& ref, Layout lay) {
+  bool same_order;
+  if (lay == Layout::Contiguous)
+    same_order = t.is_contiguous();
+  else
+    same_order = t.is_contiguous(ref.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d);
+  if (t.scalar_type() == ref.scalar_type() && same_order) return t;
+  return at::empty_like(ref, at::MemoryFormat::Preserve).copy_(t);
 }
 
 inline ChanParam make_param(const std::optional<at::Tensor>& t, const char* name) {
@@ -186,15 +210,24 @@ inline void check_same_shape(const std::optional<at::Tensor>& t, const at::Tenso
   if (!t.has_value()) return;
   check_like(t, x, name);
   backend::check_device(*t, x, name);
-  TORCH_CHECK(t->scalar_type() == x.scalar_type(), "inplace_abn: ", name, " must have the input's dtype ",
-              x.scalar_type(), ", got ", t->scalar_type());
+  TORCH_CHECK(at::isFloatingType(t->scalar_type()), "inplace_abn: ", name, " must be a floating point tensor, got ",
+              t->scalar_type());
+}
+
+// The backward inverts the activation: leaky_relu and elu need a parameter > 0.
+inline void check_backward_param(Act act, double param) {
+  if (act == Act::LeakyRelu)
+    TORCH_CHECK(param > 0, "inplace_abn: leaky_relu needs a slope > 0 to be inverted in backward, got ", param);
+  if (act == Act::Elu)
+    TORCH_CHECK(param > 0, "inplace_abn: elu needs alpha > 0 to be inverted in backward, got ", param);
 }
 
 inline void check_mask(const at::Tensor& mask, const at::Tensor& y, Act act) {
   if (act != Act::Silu) return;
   backend::check_device(mask, y, "mask");
   TORCH_CHECK(mask.scalar_type() == at::kInt, "inplace_abn: mask must be int32, got ", mask.scalar_type());
-  TORCH_CHECK(mask.is_contiguous(), "inplace_abn: mask must be contiguous");
+  TORCH_CHECK(mask.dim() == 1 && mask.is_contiguous(), "inplace_abn: mask must be a contiguous 1-D tensor, got ",
+              mask.sizes());
   TORCH_CHECK(mask.numel() >= mask_words(y.numel()), "inplace_abn: mask has ", mask.numel(), " words, ",
               mask_words(y.numel()), " needed");
 }
@@ -223,268 +256,8 @@ void launch_coef(int mode, int64_t C, const ChanParam& mean, const ChanParam& va
                  const at::Tensor& coef) {
   const int64_t blocks = std::min<int64_t>(ceil_div(C, kEwThreads), 1024);
   backend::launch(&coef_kernel<acc_t>, dim3(static_cast<unsigned>(blocks)), dim3(kEwThreads), backend::stream(), mode,
-                  C, mean, var, weight, bias, mg, mgx, static_cast<acc_t>(eps), signed_weight,
+                  C, mean, var, weight, bias, mg, mgx, eps, signed_weight,
                   coef.mutable_data_ptr<acc_t>());
-}
-
-// ---------------------------------------------------------------------------
-// batch_stats
-
-inline std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x) {
-  check_input(x, "x");
-  backend::check_device(x, x, "x");
-  backend::Guard guard(x);
-  const int64_t C = x.size(1);
-  const auto opts = x.options().dtype(acc_type_of(x.scalar_type()));
-  if (x.numel() == 0) return {at::zeros({C}, opts), at::zeros({C}, opts)};
-  const Layout lay = checked_layout(x, "x");
-  const Geometry g = geometry_of(x, lay);
-  at::Tensor mean = at::empty({C}, opts), var = at::empty({C}, opts);
-  const int sms = backend::sm_count();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "inplace_abn_batch_stats_cuda", [&] {
-    using acc_t = acc_of<scalar_t>;
-    constexpr int KV = vec_width<scalar_t>();
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    int64_t nchunks;
-    at::Tensor part;
-    if (!g.rows) {
-      const bool vec = g.S % KV == 0 && aligned16(xp);
-      const int64_t K = vec ? KV : 1;
-      const ContigConfig cfg = contig_config(g.N, C, g.S / K, K, sms, backend::kMaxGridY);
-      nchunks = cfg.chunks;
-      part = at::empty({3 * nchunks * C}, opts);
-      const dim3 grid(static_cast<unsigned>(cfg.chunks), static_cast<unsigned>(cfg.grid_y));
-      if (vec)
-        backend::launch(&stats_contig_kernel<scalar_t, acc_t, KV>, grid, dim3(cfg.threads), backend::stream(), xp,
-                        g.N, C, g.S, cfg.chunk_len, nchunks, part.mutable_data_ptr<acc_t>());
-      else
-        backend::launch(&stats_contig_kernel<scalar_t, acc_t, 1>, grid, dim3(cfg.threads), backend::stream(), xp,
-                        g.N, C, g.S, cfg.chunk_len, nchunks, part.mutable_data_ptr<acc_t>());
-    } else {
-      const bool vec = C % KV == 0 && aligned16(xp);
-      const int64_t K = vec ? KV : 1;
-      const int64_t M = g.N * g.S;
-      const RowsConfig cfg = rows_config(M, C, K, sms, backend::kMaxGridY);
-      nchunks = cfg.chunks;
-      part = at::empty({3 * nchunks * C}, opts);
-      const dim3 grid(static_cast<unsigned>(cfg.tiles), static_cast<unsigned>(cfg.chunks));
-      const dim3 block(cfg.bx, cfg.by);
-      if (vec)
-        backend::launch(&stats_cl_kernel<scalar_t, acc_t, KV>, grid, block, backend::stream(), xp, M, C,
-                        cfg.rows_per_chunk, nchunks, part.mutable_data_ptr<acc_t>());
-      else
-        backend::launch(&stats_cl_kernel<scalar_t, acc_t, 1>, grid, block, backend::stream(), xp, M, C,
-                        cfg.rows_per_chunk, nchunks, part.mutable_data_ptr<acc_t>());
-    }
-    backend::launch(&finalize_stats_kernel<acc_t>, dim3(static_cast<unsigned>(fin_blocks(C))), dim3(kFinThreads),
-                    backend::stream(), part.const_data_ptr<acc_t>(), nchunks, C, mean.mutable_data_ptr<acc_t>(),
-                    var.mutable_data_ptr<acc_t>());
-  });
-  return {mean, var};
-}
-
-// ---------------------------------------------------------------------------
-// forward_
-
-inline at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var,
-                           const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& residual, double eps, int64_t activation,
-                           double activation_param, bool signed_weight) {
-  check_input(x, "x");
-  backend::check_device(x, x, "x");
-  check_vector(mean, x, "mean");
-  check_vector(var, x, "var");
-  check_vector(weight, x, "weight");
-  check_vector(bias, x, "bias");
-  check_same_shape(residual, x, "residual");
-  const Act act = to_act(activation);
-  backend::Guard guard(x);
-  const int64_t numel = x.numel();
-  at::Tensor mask = at::empty({act == Act::Silu ? mask_words(numel) : 0}, x.options().dtype(at::kInt));
-  if (numel == 0) return mask;
-  const Layout lay = checked_layout(x, "x");
-  const Geometry g = geometry_of(x, lay);
-  const at::Tensor res = residual.has_value() ? match_layout(*residual, lay) : at::Tensor();
-  const int sms = backend::sm_count();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "inplace_abn_forward_cuda", [&] {
-    using acc_t = acc_of<scalar_t>;
-    constexpr int KV = vec_width<scalar_t>();
-    const auto accopts = x.options().dtype(acc_type_of(x.scalar_type()));
-    at::Tensor coef = at::empty({kFwdRows * g.C}, accopts);
-    const ChanParam none{nullptr, 0, kParamNone};
-    launch_coef<acc_t>(kCoefForward, g.C, make_param(mean, "mean"), make_param(var, "var"), make_param(weight, "weight"),
-                       make_param(bias, "bias"), none, none, eps, signed_weight, coef);
-    scalar_t* xp = x.mutable_data_ptr<scalar_t>();
-    const scalar_t* rp = res.defined() ? res.const_data_ptr<scalar_t>() : nullptr;
-    uint32_t* mp = act == Act::Silu ? reinterpret_cast<uint32_t*>(mask.mutable_data_ptr<int32_t>()) : nullptr;
-    const acc_t* cp = coef.const_data_ptr<acc_t>();
-    const bool vec = aligned16(xp) && aligned16(rp);
-    const EwConfig cfg = ew_config(ceil_div(numel, vec ? KV : 1), sms);
-    const dim3 grid(static_cast<unsigned>(cfg.blocks)), block(cfg.threads);
-    const acc_t param = static_cast<acc_t>(activation_param);
-    dispatch_act(act, [&](auto tag) {
-      constexpr Act A = decltype(tag)::value;
-      if (vec)
-        backend::launch(&forward_kernel<scalar_t, acc_t, A, KV>, grid, block, backend::stream(), xp, rp, mp, cp, param,
-                        numel, g.inner(), g.C);
-      else
-        backend::launch(&forward_kernel<scalar_t, acc_t, A, 1>, grid, block, backend::stream(), xp, rp, mp, cp, param,
-                        numel, g.inner(), g.C);
-    });
-  });
-  return mask;
-}
-
-// ---------------------------------------------------------------------------
-// backward_reduce
-
-inline std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at::Tensor& dy,
-                                                          const at::Tensor& mask, const std::optional<at::Tensor>& weight,
-                                                          const std::optional<at::Tensor>& bias,
-                                                          const std::optional<at::Tensor>& residual, double eps,
-                                                          int64_t activation, double activation_param,
-                                                          bool signed_weight) {
-  check_input(y, "y");
-  backend::check_device(y, y, "y");
-  check_same_shape(dy, y, "dy");
-  check_vector(weight, y, "weight");
-  check_vector(bias, y, "bias");
-  check_same_shape(residual, y, "residual");
-  const Act act = to_act(activation);
-  check_mask(mask, y, act);
-  backend::Guard guard(y);
-  const int64_t C = y.size(1);
-  const auto opts = y.options().dtype(acc_type_of(y.scalar_type()));
-  if (y.numel() == 0) return {at::zeros({C}, opts), at::zeros({C}, opts)};
-  const Layout lay = checked_layout(y, "y");
-  const Geometry g = geometry_of(y, lay);
-  const at::Tensor dy_ = match_layout(dy, lay);
-  const at::Tensor res = residual.has_value() ? match_layout(*residual, lay) : at::Tensor();
-  at::Tensor sum_gz = at::empty({C}, opts), sum_gz_xhat = at::empty({C}, opts);
-  const int sms = backend::sm_count();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "inplace_abn_backward_reduce_cuda", [&] {
-    using acc_t = acc_of<scalar_t>;
-    constexpr int KV = vec_width<scalar_t>();
-    at::Tensor coef = at::empty({kRedRows * C}, opts);
-    const ChanParam none{nullptr, 0, kParamNone};
-    launch_coef<acc_t>(kCoefReduce, C, none, none, make_param(weight, "weight"), make_param(bias, "bias"), none, none,
-                       eps, signed_weight, coef);
-    const scalar_t* yp = y.const_data_ptr<scalar_t>();
-    const scalar_t* dyp = dy_.const_data_ptr<scalar_t>();
-    const scalar_t* rp = res.defined() ? res.const_data_ptr<scalar_t>() : nullptr;
-    const uint32_t* mp = act == Act::Silu ? reinterpret_cast<const uint32_t*>(mask.const_data_ptr<int32_t>()) : nullptr;
-    const acc_t* cp = coef.const_data_ptr<acc_t>();
-    const acc_t param = static_cast<acc_t>(activation_param);
-    const bool aligned = aligned16(yp) && aligned16(dyp) && aligned16(rp);
-    int64_t nchunks;
-    at::Tensor part;
-    if (!g.rows) {
-      const bool vec = aligned && g.S % KV == 0;
-      const int64_t K = vec ? KV : 1;
-      const ContigConfig cfg = contig_config(g.N, C, g.S / K, K, sms, backend::kMaxGridY);
-      nchunks = cfg.chunks;
-      part = at::empty({2 * nchunks * C}, opts);
-      acc_t* pp = part.mutable_data_ptr<acc_t>();
-      const dim3 grid(static_cast<unsigned>(cfg.chunks), static_cast<unsigned>(cfg.grid_y)), block(cfg.threads);
-      dispatch_act(act, [&](auto tag) {
-        constexpr Act A = decltype(tag)::value;
-        if (vec)
-          backend::launch(&bwd_reduce_contig_kernel<scalar_t, acc_t, A, KV>, grid, block, backend::stream(), yp, dyp,
-                          rp, mp, cp, param, g.N, C, g.S, cfg.chunk_len, nchunks, pp);
-        else
-          backend::launch(&bwd_reduce_contig_kernel<scalar_t, acc_t, A, 1>, grid, block, backend::stream(), yp, dyp,
-                          rp, mp, cp, param, g.N, C, g.S, cfg.chunk_len, nchunks, pp);
-      });
-    } else {
-      const bool vec = aligned && C % KV == 0;
-      const int64_t K = vec ? KV : 1;
-      const int64_t M = g.N * g.S;
-      const RowsConfig cfg = rows_config(M, C, K, sms, backend::kMaxGridY);
-      nchunks = cfg.chunks;
-      part = at::empty({2 * nchunks * C}, opts);
-      acc_t* pp = part.mutable_data_ptr<acc_t>();
-      const dim3 grid(static_cast<unsigned>(cfg.tiles), static_cast<unsigned>(cfg.chunks)), block(cfg.bx, cfg.by);
-      dispatch_act(act, [&](auto tag) {
-        constexpr Act A = decltype(tag)::value;
-        if (vec)
-          backend::launch(&bwd_reduce_cl_kernel<scalar_t, acc_t, A, KV>, grid, block, backend::stream(), yp, dyp, rp,
-                          mp, cp, param, M, C, cfg.rows_per_chunk, nchunks, pp);
-        else
-          backend::launch(&bwd_reduce_cl_kernel<scalar_t, acc_t, A, 1>, grid, block, backend::stream(), yp, dyp, rp,
-                          mp, cp, param, M, C, cfg.rows_per_chunk, nchunks, pp);
-      });
-    }
-    backend::launch(&finalize_sums_kernel<acc_t>, dim3(static_cast<unsigned>(fin_blocks(C))), dim3(kFinThreads),
-                    backend::stream(), part.const_data_ptr<acc_t>(), nchunks, C, sum_gz.mutable_data_ptr<acc_t>(),
-                    sum_gz_xhat.mutable_data_ptr<acc_t>());
-  });
-  return {sum_gz, sum_gz_xhat};
-}
-
-// ---------------------------------------------------------------------------
-// backward_input
-
-inline std::tuple<at::Tensor, at::Tensor> backward_input(
-    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat, double eps,
-    int64_t activation, double activation_param, bool signed_weight, bool residual_grad) {
-  check_input(y, "y");
-  backend::check_device(y, y, "y");
-  check_same_shape(dy, y, "dy");
-  check_vector(var, y, "var");
-  check_vector(weight, y, "weight");
-  check_vector(bias, y, "bias");
-  check_same_shape(residual, y, "residual");
-  check_vector(mean_gz, y, "mean_gz");
-  check_vector(mean_gz_xhat, y, "mean_gz_xhat");
-  const Act act = to_act(activation);
-  check_mask(mask, y, act);
-  backend::Guard guard(y);
-  // Same dtype and memory format as y (x's storage): preserve_format keeps
-  // the strides of a dense tensor, so memory positions match.
-  at::Tensor dx = at::empty_like(y);
-  at::Tensor dres = residual_grad ? at::empty_like(y) : at::empty({0}, y.options());
-  const int64_t numel = y.numel();
-  if (numel == 0) return {dx, dres};
-  const Layout lay = checked_layout(y, "y");
-  const Geometry g = geometry_of(y, lay);
-  TORCH_CHECK(dx.strides() == y.strides() && (!residual_grad || dres.strides() == y.strides()),
-              "inplace_abn: unexpected gradient layout");
-  const at::Tensor dy_ = match_layout(dy, lay);
-  const at::Tensor res = residual.has_value() ? match_layout(*residual, lay) : at::Tensor();
-  const int sms = backend::sm_count();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "inplace_abn_backward_input_cuda", [&] {
-    using acc_t = acc_of<scalar_t>;
-    constexpr int KV = vec_width<scalar_t>();
-    const auto accopts = y.options().dtype(acc_type_of(y.scalar_type()));
-    at::Tensor coef = at::empty({kInRows * g.C}, accopts);
-    const ChanParam none{nullptr, 0, kParamNone};
-    launch_coef<acc_t>(kCoefInput, g.C, none, make_param(var, "var"), make_param(weight, "weight"),
-                       make_param(bias, "bias"), make_param(mean_gz, "mean_gz"), make_param(mean_gz_xhat, "mean_gz_xhat"),
-                       eps, signed_weight, coef);
-    const scalar_t* yp = y.const_data_ptr<scalar_t>();
-    const scalar_t* dyp = dy_.const_data_ptr<scalar_t>();
-    const scalar_t* rp = res.defined() ? res.const_data_ptr<scalar_t>() : nullptr;
-    const uint32_t* mp = act == Act::Silu ? reinterpret_cast<const uint32_t*>(mask.const_data_ptr<int32_t>()) : nullptr;
-    scalar_t* dxp = dx.mutable_data_ptr<scalar_t>();
-    scalar_t* drp = residual_grad ? dres.mutable_data_ptr<scalar_t>() : nullptr;
-    const acc_t* cp = coef.const_data_ptr<acc_t>();
-    const acc_t param = static_cast<acc_t>(activation_param);
-    const bool vec = aligned16(yp) && aligned16(dyp) && aligned16(rp) && aligned16(dxp) && aligned16(drp);
-    const EwConfig cfg = ew_config(ceil_div(numel, vec ? KV : 1), sms);
-    const dim3 grid(static_cast<unsigned>(cfg.blocks)), block(cfg.threads);
-    dispatch_act(act, [&](auto tag) {
-      constexpr Act A = decltype(tag)::value;
-      if (vec)
-        backend::launch(&backward_input_kernel<scalar_t, acc_t, A, KV>, grid, block, backend::stream(), yp, dyp, rp, mp,
-                        cp, param, numel, g.inner(), g.C, dxp, drp);
-      else
-        backend::launch(&backward_input_kernel<scalar_t, acc_t, A, 1>, grid, block, backend::stream(), yp, dyp, rp, mp,
-                        cp, param, numel, g.inner(), g.C, dxp, drp);
-    });
-  });
-  return {dx, dres};
 }
 
 }  // namespace gpu

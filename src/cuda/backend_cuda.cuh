@@ -1,20 +1,25 @@
-// CUDA implementations of the inplace_abn operators (schemas: src/ops.cpp).
-// Kernels: kernels.cuh. Host side (checks, launch configurations): ops_impl.h.
+// CUDA backend of ops_impl.h (see the interface described there): current
+// stream, device guard, launches with error checks. Included by the per-operator
+// translation units (batch_stats.cu, forward.cu, backward_reduce.cu,
+// backward_input.cu), each of which then includes its operator's op_*.h: a
+// parallel build compiles them side by side.
 //
 // Only c10 CUDA headers (not ATen/cuda/CUDAContext.h, which pulls in the
 // cuBLAS / cuSPARSE headers): c10::cuda::getCurrentCUDAStream() is the stream
 // at::cuda::getCurrentCUDAStream() returns.
+#pragma once
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <utility>
 
 #include "kernels.cuh"
+#include "ops_cuda.h"
 
 namespace inplace_abn {
 namespace gpu {
@@ -32,6 +37,9 @@ inline int sm_count() {
 }
 
 constexpr int64_t kMaxGridY = 65535;
+// Largest block-count multiple accepted for the fixed-channel element-wise
+// grids (ew_config in ops_impl.h).
+constexpr int64_t kMaxFixedBlocks = 8192;
 
 inline void check_device(const at::Tensor& t, const at::Tensor& x, const char* name) {
   TORCH_CHECK(t.is_cuda(), "inplace_abn (CUDA): ", name, " must be a CUDA tensor, got one on ", t.device());
@@ -54,11 +62,3 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, Stream s, Args&&...
 }  // namespace gpu
 }  // namespace inplace_abn
 
-#include "ops_impl.h"
-
-TORCH_LIBRARY_IMPL(inplace_abn, CUDA, m) {
-  m.impl("batch_stats", &inplace_abn::gpu::batch_stats);
-  m.impl("forward_", &inplace_abn::gpu::forward_);
-  m.impl("backward_reduce", &inplace_abn::gpu::backward_reduce);
-  m.impl("backward_input", &inplace_abn::gpu::backward_input);
-}

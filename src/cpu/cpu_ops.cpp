@@ -1,0 +1,349 @@
+// CPU implementations of the operators declared in src/ops.cpp: argument
+// checks, outputs, the per-channel coefficients (computed in double, then
+// rounded once to the compute type), and the call into the vectorised
+// kernels of the best SIMD level this machine and PyTorch allow
+// (kernels_impl.h, built per level in kernels_{default,avx2,avx512}.cpp).
+#include <ATen/ATen.h>
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "cpu/kernel_api.h"
+
+namespace inplace_abn {
+namespace cpu {
+namespace {
+
+// The kernels of the SIMD level PyTorch itself uses (ATEN_CPU_CAPABILITY
+// overrides it, as for PyTorch's own kernels), if this build has them.
+const KernelTable& kernels() {
+  static const KernelTable* table = []() -> const KernelTable* {
+#if defined(IABN_CPU_X86_DISPATCH)
+    // "DEFAULT", "AVX2" or "AVX512" (at::native::get_cpu_capability is not
+    // exported by libtorch; this is its exported string form).
+    const std::string cap = at::get_cpu_capability();
+    if (cap == "AVX512" && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      return &AVX512::kernel_table();
+    if ((cap == "AVX2" || cap == "AVX512") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      return &AVX2::kernel_table();
+#endif
+    return &DEFAULT::kernel_table();
+  }();
+  return *table;
+}
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::Float;
+    case at::kDouble:
+      return DType::Double;
+    case at::kHalf:
+      return DType::Half;
+    case at::kBFloat16:
+      return DType::BFloat16;
+    default:
+      TORCH_CHECK(false, "inplace_abn: ", name, " must be float32, float64, float16 or bfloat16, got ",
+                  t.scalar_type());
+  }
+  return DType::Float;
+}
+
+Geometry geometry_of(const at::Tensor& x, const char* name) {
+  const Layout l = layout_of(x);
+  TORCH_CHECK(l != Layout::Other, "inplace_abn: the CPU kernels need ", name,
+              " contiguous or channels-last (got sizes ", x.sizes(), ", strides ", x.strides(),
+              "); make it contiguous first");
+  Geometry g;
+  g.numel = x.numel();
+  g.C = x.size(1);
+  const int64_t nc = x.size(0) * g.C;
+  g.S = nc > 0 ? g.numel / nc : 1;
+  g.channels_last = l == Layout::ChannelsLast || g.S == 1;
+  if (g.channels_last) g.S = 1;
+  return g;
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "inplace_abn: ", name, " must be a CPU tensor, got ", t.device());
+}
+
+// `t` with ref's dtype and memory order: t itself when it has them, else a
+// copy (a gradient may arrive in another layout; a residual may differ).
+at::Tensor like(const at::Tensor& t, const at::Tensor& ref) {
+  const bool same_order = layout_of(ref) == Layout::Contiguous
+                              ? t.is_contiguous()
+                              : t.is_contiguous(ref.dim() == 4 ? at::MemoryFormat::ChannelsLast
+                                                               : at::MemoryFormat::ChannelsLast3d);
+  if (t.scalar_type() == ref.scalar_type() && same_order) return t;
+  return at::empty_like(ref, at::MemoryFormat::Preserve).copy_(t);
+}
+
+// A length-C float vector of any float dtype, as doubles (or `fill` when absent).
+std::vector<double> channel_values(const std::optional<at::Tensor>& t, int64_t C, double fill) {
+  std::vector<double> v(C, fill);
+  if (t.has_value()) {
+    at::Tensor d = t->detach().to(at::kDouble).contiguous();
+    const double* p = d.data_ptr<double>();
+    for (int64_t c = 0; c < C; ++c) v[c] = p[c];
+  }
+  return v;
+}
+
+void check_vector(const at::Tensor& t, const at::Tensor& x, const char* name) {
+  check_channel_vector(std::optional<at::Tensor>(t), x, name);
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "inplace_abn: ", name, " must be a floating point tensor, got ",
+              t.scalar_type());
+}
+
+void check_optional_vector(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
+  if (t.has_value()) check_vector(*t, x, name);
+}
+
+// g~ per channel (1 without a weight).
+std::vector<double> eff_weight(const std::optional<at::Tensor>& weight, int64_t C, double eps, bool signed_mode) {
+  std::vector<double> g = channel_values(weight, C, 1.0);
+  if (weight.has_value())
+    for (auto& v : g) v = effective_weight<double>(v, eps, signed_mode);
+  return g;
+}
+
+void check_backward_param(Act act, double param) {
+  if (act == Act::LeakyRelu)
+    TORCH_CHECK(param > 0, "inplace_abn: leaky_relu needs a slope > 0 to be inverted in backward, got ", param);
+  if (act == Act::Elu)
+    TORCH_CHECK(param > 0, "inplace_abn: elu needs alpha > 0 to be inverted in backward, got ", param);
+}
+
+void check_mask(const at::Tensor& mask, const at::Tensor& y, Act act) {
+  if (act != Act::Silu) return;
+  check_cpu(mask, "mask");
+  TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 1 && mask.is_contiguous(),
+              "inplace_abn: mask must be a contiguous 1-D int32 tensor, got ", mask.scalar_type(), " ",
+              mask.sizes());
+  TORCH_CHECK(mask.numel() >= mask_words(y.numel()), "inplace_abn: mask has ", mask.numel(), " words, need ",
+              mask_words(y.numel()), " for ", y.numel(), " elements");
+}
+
+// Per-channel vectors in the compute type F.
+template <typename F>
+std::vector<F> cast(const std::vector<double>& v) {
+  return std::vector<F>(v.begin(), v.end());
+}
+
+// ---------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> batch_stats_cpu(const at::Tensor& x) {
+  check_input(x, "x");
+  check_cpu(x, "x");
+  const DType dt = dtype_of(x, "x");
+  const int64_t C = x.size(1);
+  const auto acc = acc_type_of(x.scalar_type());
+  at::Tensor mean = at::zeros({C}, x.options().dtype(acc));
+  at::Tensor var = at::zeros({C}, x.options().dtype(acc));
+  if (x.numel() == 0) return {mean, var};
+  const Geometry g = geometry_of(x, "x");
+  std::vector<double> m(C), v(C);
+  StatsArgs a{x.data_ptr(), dt, g, m.data(), v.data()};
+  kernels().batch_stats(a);
+  at::Tensor md = at::from_blob(m.data(), {C}, at::TensorOptions().dtype(at::kDouble));
+  at::Tensor vd = at::from_blob(v.data(), {C}, at::TensorOptions().dtype(at::kDouble));
+  mean.copy_(md);
+  var.copy_(vd);
+  return {mean, var};
+}
+
+at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var,
+                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual, double eps, int64_t activation,
+                       double activation_param, bool signed_weight) {
+  check_input(x, "x");
+  check_cpu(x, "x");
+  const DType dt = dtype_of(x, "x");
+  const Act act = to_act(activation);
+  check_vector(mean, x, "mean");
+  check_vector(var, x, "var");
+  check_optional_vector(weight, x, "weight");
+  check_optional_vector(bias, x, "bias");
+  check_like(residual, x, "residual");
+  const int64_t C = x.size(1);
+  at::Tensor mask = at::empty({act == Act::Silu ? mask_words(x.numel()) : 0}, x.options().dtype(at::kInt));
+  if (x.numel() == 0) return mask;
+  const Geometry g = geometry_of(x, "x");
+  at::Tensor res;
+  if (residual.has_value()) res = like(*residual, x);
+
+  const std::vector<double> mu = channel_values(mean, C, 0.0);
+  const std::vector<double> vr = channel_values(var, C, 0.0);
+  const std::vector<double> gt = eff_weight(weight, C, eps, signed_weight);
+  const std::vector<double> beta = channel_values(bias, C, 0.0);
+  std::vector<double> scale(C), mhi(C), mlo(C);
+  const bool dbl = dt == DType::Double;
+  for (int64_t c = 0; c < C; ++c) {
+    scale[c] = gt[c] / std::sqrt(vr[c] + eps);
+    // the mean as a float pair (hi + lo), so x - mean keeps its accuracy in
+    // float when |mean| >> std
+    mhi[c] = dbl ? mu[c] : static_cast<double>(static_cast<float>(mu[c]));
+    mlo[c] = mu[c] - mhi[c];
+  }
+  ForwardArgs a;
+  a.x = x.data_ptr();
+  a.residual = res.defined() ? res.data_ptr() : nullptr;
+  a.dtype = dt;
+  a.g = g;
+  a.act = static_cast<int>(act);
+  a.param = activation_param;
+  a.mask = act == Act::Silu ? mask.data_ptr<int32_t>() : nullptr;
+  if (dbl) {
+    a.mean_hi = mhi.data();
+    a.mean_lo = mlo.data();
+    a.scale = scale.data();
+    a.shift = beta.data();
+    kernels().forward(a);
+  } else {
+    auto fmh = cast<float>(mhi), fml = cast<float>(mlo), fsc = cast<float>(scale), fsh = cast<float>(beta);
+    a.mean_hi = fmh.data();
+    a.mean_lo = fml.data();
+    a.scale = fsc.data();
+    a.shift = fsh.data();
+    kernels().forward(a);
+  }
+  return mask;
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_reduce_cpu(const at::Tensor& y, const at::Tensor& dy,
+                                                       const at::Tensor& mask,
+                                                       const std::optional<at::Tensor>& weight,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       const std::optional<at::Tensor>& residual, double eps,
+                                                       int64_t activation, double activation_param,
+                                                       bool signed_weight) {
+  check_input(y, "y");
+  check_cpu(y, "y");
+  const DType dt = dtype_of(y, "y");
+  const Act act = to_act(activation);
+  check_backward_param(act, activation_param);
+  check_like(std::optional<at::Tensor>(dy), y, "dy");
+  check_optional_vector(weight, y, "weight");
+  check_optional_vector(bias, y, "bias");
+  check_like(residual, y, "residual");
+  check_mask(mask, y, act);
+  const int64_t C = y.size(1);
+  const auto acc = acc_type_of(y.scalar_type());
+  at::Tensor sg = at::zeros({C}, y.options().dtype(acc));
+  at::Tensor sgx = at::zeros({C}, y.options().dtype(acc));
+  if (y.numel() == 0) return {sg, sgx};
+  const Geometry g = geometry_of(y, "y");
+  at::Tensor dyl = like(dy, y);
+  at::Tensor res;
+  if (residual.has_value()) res = like(*residual, y);
+
+  const std::vector<double> gt = eff_weight(weight, C, eps, signed_weight);
+  const std::vector<double> beta = channel_values(bias, C, 0.0);
+  std::vector<double> s1(C), s2(C);
+  BackwardReduceArgs a;
+  a.y = y.data_ptr();
+  a.dy = dyl.data_ptr();
+  a.residual = res.defined() ? res.data_ptr() : nullptr;
+  a.mask = act == Act::Silu ? mask.data_ptr<int32_t>() : nullptr;
+  a.dtype = dt;
+  a.g = g;
+  a.act = static_cast<int>(act);
+  a.param = activation_param;
+  a.sum_gz = s1.data();
+  a.sum_gz_zc = s2.data();
+  auto fsh = cast<float>(beta);
+  a.shift = dt == DType::Double ? static_cast<const void*>(beta.data()) : static_cast<const void*>(fsh.data());
+  kernels().backward_reduce(a);
+  for (int64_t c = 0; c < C; ++c) s2[c] /= gt[c];
+  sg.copy_(at::from_blob(s1.data(), {C}, at::TensorOptions().dtype(at::kDouble)));
+  sgx.copy_(at::from_blob(s2.data(), {C}, at::TensorOptions().dtype(at::kDouble)));
+  return {sg, sgx};
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_input_cpu(
+    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat,
+    double eps, int64_t activation, double activation_param, bool signed_weight, bool residual_grad) {
+  check_input(y, "y");
+  check_cpu(y, "y");
+  const DType dt = dtype_of(y, "y");
+  const Act act = to_act(activation);
+  check_backward_param(act, activation_param);
+  check_like(std::optional<at::Tensor>(dy), y, "dy");
+  check_vector(var, y, "var");
+  check_optional_vector(weight, y, "weight");
+  check_optional_vector(bias, y, "bias");
+  check_like(residual, y, "residual");
+  check_vector(mean_gz, y, "mean_gz");
+  check_vector(mean_gz_xhat, y, "mean_gz_xhat");
+  check_mask(mask, y, act);
+  const int64_t C = y.size(1);
+  if (y.numel() > 0) (void)geometry_of(y, "y");  // layout check before allocating
+  at::Tensor dx = at::empty_like(y, at::MemoryFormat::Preserve);
+  at::Tensor dres = residual_grad ? at::empty_like(y, at::MemoryFormat::Preserve) : at::empty({0}, y.options());
+  if (y.numel() == 0) return {dx, dres};
+  const Geometry g = geometry_of(y, "y");
+  at::Tensor dyl = like(dy, y);
+  at::Tensor res;
+  if (residual.has_value()) res = like(*residual, y);
+
+  const std::vector<double> vr = channel_values(var, C, 0.0);
+  const std::vector<double> gt = eff_weight(weight, C, eps, signed_weight);
+  const std::vector<double> beta = channel_values(bias, C, 0.0);
+  const std::vector<double> mg = channel_values(mean_gz, C, 0.0);
+  const std::vector<double> mgx = channel_values(mean_gz_xhat, C, 0.0);
+  // dx = g~ r (gz - mg - xhat mgx), xhat = zc / g~  ->  A gz + B zc + C0
+  std::vector<double> A(C), B(C), C0(C);
+  for (int64_t c = 0; c < C; ++c) {
+    const double r = 1.0 / std::sqrt(vr[c] + eps);
+    A[c] = gt[c] * r;
+    B[c] = -r * mgx[c];
+    C0[c] = -gt[c] * r * mg[c];
+  }
+  BackwardInputArgs a;
+  a.y = y.data_ptr();
+  a.dy = dyl.data_ptr();
+  a.residual = res.defined() ? res.data_ptr() : nullptr;
+  a.mask = act == Act::Silu ? mask.data_ptr<int32_t>() : nullptr;
+  a.dtype = dt;
+  a.g = g;
+  a.act = static_cast<int>(act);
+  a.param = activation_param;
+  a.dx = dx.data_ptr();
+  a.dres = residual_grad ? dres.data_ptr() : nullptr;
+  if (dt == DType::Double) {
+    a.shift = beta.data();
+    a.a_gz = A.data();
+    a.b_zc = B.data();
+    a.c0 = C0.data();
+    kernels().backward_input(a);
+  } else {
+    auto fsh = cast<float>(beta), fa = cast<float>(A), fb = cast<float>(B), fc = cast<float>(C0);
+    a.shift = fsh.data();
+    a.a_gz = fa.data();
+    a.b_zc = fb.data();
+    a.c0 = fc.data();
+    kernels().backward_input(a);
+  }
+  return {dx, dres};
+}
+
+}  // namespace
+}  // namespace cpu
+
+TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) {
+  m.impl("batch_stats", &cpu::batch_stats_cpu);
+  m.impl("forward_", &cpu::forward_cpu);
+  m.impl("backward_reduce", &cpu::backward_reduce_cpu);
+  m.impl("backward_input", &cpu::backward_input_cpu);
+}
+
+}  // namespace inplace_abn
