@@ -17,7 +17,14 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCH_LIST = "7.0;7.5;8.0;8.6;8.9;9.0+PTX"
+
+
+def _default_arch_list():
+    """Volta to Hopper + PTX; CUDA 13 dropped Volta (sm_70), so start at Turing there."""
+    import torch
+
+    major = int((torch.version.cuda or "12").split(".")[0])
+    return ("7.0;" if major < 13 else "") + "7.5;8.0;8.6;8.9;9.0+PTX"
 
 
 def _flag(name):
@@ -46,7 +53,7 @@ def _extensions():
         import torch
 
         if not torch.cuda.is_available():  # forced build: torch cannot detect the GPUs' archs
-            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list())
         return [
             CUDAExtension(
                 "inplace_abn._C",

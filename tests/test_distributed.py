@@ -55,12 +55,15 @@ def test_matches_one_process_on_concatenated_batch(runs, case):
     """Output, dx, the SUM over ranks of the local dweight/dbias (data parallel: the loss is
     the sum of the ranks' losses), dresidual and running statistics, against stock float64
     F.batch_norm + activation on all ranks' inputs in one process. In float32 the bound is
-    1e-5; bfloat16/float16 only check that synchronising adds nothing beyond their rounding
-    (tests/test_accuracy.py bounds their precision against the stock path)."""
+    1e-5, except the SiLU parameter gradients (5e-5, as in tests/test_accuracy.py: z recovered
+    near the SiLU minimum is ill-conditioned); bfloat16/float16 only check that synchronising adds
+    nothing beyond their rounding (tests/test_accuracy.py bounds them against the stock path)."""
     got = reports(runs, case["name"], case["w"])
     tol = TOL[case["dtype"]]
+    param_tol = 5e-5 if case["dtype"] == "float32" and case["act"] == "silu" else tol
     for rank, rep in got.items():
-        bad = {k: e for k, e in rep["errors"].items() if not e <= tol}
+        bad = {k: e for k, e in rep["errors"].items()
+               if not e <= (param_tol if k in ("dw", "db", "dweight", "dbias") else tol)}
         assert not bad, f"rank {rank}: errors above {tol}: {bad}"
         assert rep["running_stats_identical"], "running statistics differ between ranks"
         assert rep["in_place"] and rep["dx_shape_ok"]
