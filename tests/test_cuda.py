@@ -1,0 +1,70 @@
+"""The core test matrix on the GPU (skipped cleanly without one): CUDA kernels
+against stock float64 BatchNorm + activation, and CPU-vs-GPU agreement."""
+import pytest
+import torch
+
+import inplace_abn
+from cases import LAYOUTS, errors, make_case
+from reference import rel_err, stock
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+ACTIVATIONS = ["identity", "leaky_relu", "elu", "silu"]
+PARAM = {"identity": 0.0, "leaky_relu": 0.1, "elu": 0.8, "silu": 0.0}
+# float32 reductions on the GPU accumulate in float (DESIGN.md section 4): float-level bounds.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _run(case, device, fmt, activation, weight_mode, dtype=None, fn="ours"):
+    conv = (lambda t: t.to(device=device, dtype=dtype or t.dtype, copy=True))
+    x0 = conv(case["x"]).contiguous(memory_format=fmt).requires_grad_()
+    w, b = conv(case["w"]).requires_grad_(), conv(case["b"]).requires_grad_()
+    rm, rv = conv(case["rm"]), conv(case["rv"])
+    x = x0.clone()
+    p = PARAM[activation]
+    if fn == "ours":
+        y = inplace_abn.inplace_abn(x, w, b, rm, rv, True, 0.1, 1e-5, activation, p, weight_mode=weight_mode)
+    else:
+        y = stock(x, w, b, rm, rv, True, 0.1, 1e-5, activation, p, weight_mode)
+    grads = torch.autograd.grad(y, [x0, w, b], conv(case["dy"]).contiguous(memory_format=fmt))
+    return {k: v.detach().cpu() for k, v in zip(["y", "dx", "dw", "db", "rm", "rv"], [y, *grads, rm, rv])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("weight_mode", ["abs", "signed"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_cuda_matches_float64_reference(activation, weight_mode, layout, dtype):
+    case = make_case(LAYOUTS[layout][0], dtype, seed=5)
+    fmt = LAYOUTS[layout][1]
+    with inplace_abn.use_backend("native"):
+        ours = _run(case, "cuda", fmt, activation, weight_mode)
+    ref = _run(case, "cpu", fmt, activation, weight_mode, dtype=torch.float64, fn="stock")
+    err = errors(ours, ref)
+    limit = TOL[dtype] * (10 if activation == "silu" and dtype == torch.float32 else 1)
+    assert max(err.values()) <= limit, err
+
+
+@pytest.mark.parametrize("layout", ["4d", "4d_channels_last", "5d_channels_last_3d", "2d"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_cuda_agrees_with_cpu(activation, layout):
+    case = make_case(LAYOUTS[layout][0], torch.float32, seed=9)
+    fmt = LAYOUTS[layout][1]
+    with inplace_abn.use_backend("native"):
+        gpu = _run(case, "cuda", fmt, activation, "abs")
+        cpu = _run(case, "cpu", fmt, activation, "abs")
+    for k in gpu:
+        assert rel_err(gpu[k], cpu[k]) <= 2e-5 * (10 if activation == "silu" else 1), k
+
+
+def test_cuda_empty_batch_and_mask():
+    x = torch.randn(0, 4, 3, 3, device="cuda")
+    mean, var = torch.ops.inplace_abn.batch_stats(x)
+    assert mean.shape == (4,) and torch.all(mean == 0) and torch.all(var == 0)
+    y = torch.randn(3, 5, 7, 11, device="cuda")
+    mask = torch.ops.inplace_abn.forward_(y, torch.zeros(5, device="cuda"), torch.ones(5, device="cuda"),
+                                          None, None, None, 1e-5, 3, 0.0, False)
+    assert mask.dtype == torch.int32 and mask.numel() == (y.numel() + 31) // 32
