@@ -286,6 +286,7 @@ def parse_args(argv=None):
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     ap.add_argument("--compare-stock", action="store_true", help="also train the unconverted model and compare")
+    ap.add_argument("--log-json", default=None, help="write losses and scores to this JSON file (rank 0)")
     return ap.parse_args(argv)
 
 
@@ -307,6 +308,11 @@ def main(argv=None):
     if args.rank == 0:
         print(f"in-place ABN: final loss {ours['losses'][-1]:.4f}, val mIoU {ours['miou']:.3f}, "
               f"pixel acc {ours['acc']:.3f}, {t_ours:.1f} s")
+    if args.log_json and args.rank == 0:
+        import json
+
+        with open(args.log_json, "w") as f:
+            json.dump({"losses": ours["losses"], "miou": ours["miou"], "acc": ours["acc"], "seconds": t_ours}, f)
     if args.compare_stock:
         stock = train(args, convert=False, label="stock")
         if args.rank == 0:
