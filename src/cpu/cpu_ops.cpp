@@ -55,6 +55,13 @@ DType dtype_of(const at::Tensor& t, const char* name) {
   return DType::Float;
 }
 
+// Contiguous tensors with planes smaller than kRowsMaxPlane elements use the
+// rows path when one row of the channel pattern (C S elements) is at most
+// kRowsMaxPeriod: its coefficient arrays and (reductions) double accumulators
+// then stay within L2.
+constexpr int64_t kRowsMaxPlane = 512;
+constexpr int64_t kRowsMaxPeriod = 32768;
+
 Geometry geometry_of(const at::Tensor& x, const char* name) {
   const Layout l = layout_of(x);
   TORCH_CHECK(l != Layout::Other, "inplace_abn: the CPU kernels need ", name,
@@ -65,8 +72,14 @@ Geometry geometry_of(const at::Tensor& x, const char* name) {
   g.C = x.size(1);
   const int64_t nc = x.size(0) * g.C;
   g.S = nc > 0 ? g.numel / nc : 1;
-  g.channels_last = l == Layout::ChannelsLast || g.S == 1;
-  if (g.channels_last) g.S = 1;
+  if (l == Layout::ChannelsLast) {
+    g.S = 1;
+    g.rows = true;
+  } else {
+    // Small planes go through the rows path (no partial vector and no
+    // horizontal sum per plane) while its per-position arrays stay small.
+    g.rows = g.S == 1 || (g.S < kRowsMaxPlane && g.C * g.S <= kRowsMaxPeriod);
+  }
   return g;
 }
 

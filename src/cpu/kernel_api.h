@@ -8,10 +8,13 @@
 #include <cstdint>
 
 // Run-time SIMD dispatch (AVX2 and AVX512 builds of the kernels next to the
-// baseline one) where the compiler can target those ISAs per file: GCC and
-// Clang on x86-64. Elsewhere only the baseline kernels are built.
-#if !defined(IABN_CPU_NO_SIMD_DISPATCH) && (defined(__x86_64__) || defined(_M_X64)) && \
-    (defined(__GNUC__) || defined(__clang__))
+// baseline one) with GCC on x86-64, which targets those ISAs per file through
+// `#pragma GCC target` (kernels_avx2.cpp, kernels_avx512.cpp). Other
+// compilers and architectures build the baseline kernels only (correct, not
+// vectorised beyond the compiler's default ISA). IABN_CPU_NO_SIMD_DISPATCH
+// turns the dispatch off.
+#if !defined(IABN_CPU_NO_SIMD_DISPATCH) && (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && \
+    !defined(__clang__)
 #define IABN_CPU_X86_DISPATCH 1
 #endif
 
@@ -21,16 +24,19 @@ namespace cpu {
 enum class DType : int { Float = 0, Double = 1, Half = 2, BFloat16 = 3 };
 
 // How the flat memory of a tensor maps to channels. Elements are addressed by
-// their index e in memory order.
-//  planar (channels_last == false): memory is (N, C, S), S > 1; the channel
-//    of e is (e / S) % C. Contiguous tensors with a spatial size > 1.
-//  rows (channels_last == true): memory is (rows, C); the channel of e is
-//    e % C. Channels-last tensors, and contiguous (N, C) / (N, C, 1, ...).
+// their index e in memory order; the channel of e is (e / S) % C in both
+// modes (channels-last: S = 1).
+//  planar (rows == false): memory is (N, C, S), walked plane by plane with
+//    broadcast per-channel coefficients. Contiguous tensors with large planes.
+//  rows (rows == true): the channel pattern repeats every P = C S elements
+//    (a "row"); walked with per-position coefficient arrays of one or more
+//    rows. Channels-last tensors and (N, C) (S = 1), and contiguous tensors
+//    with small planes (S > 1; no partial vector per plane).
 struct Geometry {
   int64_t numel;
   int64_t C;
-  int64_t S;  // planar: elements per (n, c) plane; rows: 1
-  bool channels_last;
+  int64_t S;
+  bool rows;
 };
 
 // Per-channel vectors below are contiguous, of length C, in the compute type

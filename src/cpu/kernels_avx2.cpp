@@ -6,21 +6,13 @@
 #if defined(IABN_CPU_X86_DISPATCH)
 #define CPU_CAPABILITY AVX2
 #include "cpu/kernels_preamble.h"
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt"))), apply_to = function)
-#else
 #pragma GCC push_options
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
-#endif
 #include "cpu/isa_macros.h"
 #define CPU_CAPABILITY_AVX2
 #include "cpu/kernels_impl.h"
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
-#endif
 #endif

@@ -13,9 +13,10 @@
 // sequence of segments that each keep their channel pattern:
 //  - planar (contiguous N, C, S): a segment is (part of) one (n, c) plane, the
 //    channel coefficients are broadcast scalars;
-//  - rows (channels-last, and (N, C)): a segment is (part of) a "super-row" of
-//    R = k C elements (k rows, R >= 256 so short rows still fill vectors), the
-//    coefficients are arrays repeated k times, loaded at the segment offset.
+//  - rows (channels-last and (N, C); contiguous with small planes): a segment
+//    is (part of) a "super-row" of R = k C S elements (k rows of the channel
+//    pattern, R >= 256 so short rows still fill vectors), the coefficients are
+//    arrays over the super-row, loaded at the segment offset.
 // Within a segment: full vectors, then one partial vector (masked load /
 // store). Every element goes through the same vector code, so results do not
 // depend on where segment or thread boundaries fall.
@@ -23,7 +24,8 @@
 // Reductions use a partition that depends on the shape only (planes or plane
 // parts; blocks of super-rows), with one partial result per unit written to
 // its own slot and combined in a fixed order: results are bitwise
-// reproducible for any thread count. Sums accumulate in double.
+// reproducible for any thread count. Sums accumulate in double (in planes,
+// groups of four vectors are added in the compute type first, see reduce2).
 #pragma once
 
 #include <algorithm>
@@ -78,6 +80,26 @@ inline uint32_t movemask(const Vectorized<double>& m) {
   uint32_t r = 0;
   for (int i = 0; i < Vectorized<double>::size(); ++i) r |= (lanes[i] != 0 ? 1u : 0u) << i;
   return r;
+#endif
+}
+
+// Bit i set where lane i of v is < w (ordered).
+inline uint32_t lt_bits(const Vectorized<float>& v, const Vectorized<float>& w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return static_cast<uint32_t>(_mm512_cmp_ps_mask(v, w, _CMP_LT_OQ));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, w, _CMP_LT_OQ)));
+#else
+  return movemask(v < w);
+#endif
+}
+inline uint32_t lt_bits(const Vectorized<double>& v, const Vectorized<double>& w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return static_cast<uint32_t>(_mm512_cmp_pd_mask(v, w, _CMP_LT_OQ));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_cmp_pd(v, w, _CMP_LT_OQ)));
+#else
+  return movemask(v < w);
 #endif
 }
 
@@ -274,8 +296,9 @@ inline Vectorized<float> vexp(const Vectorized<float>& x) {
   auto set1 = [](float v) { return _mm256_set1_ps(v); };
   auto fmadd = [](R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); };
   auto fnmadd = [](R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); };
-  // 2^n is built from its exponent bits: keep n in [-126, 127]
-  R xv = _mm256_max_ps(_mm256_min_ps(x, set1(88.3762626647949f)), set1(-87.3365447504f));
+  // 2^n is built from its exponent bits: keep n in [-126, 127] (so e^x is
+  // capped at e^88.03 below the overflow threshold 88.72; inf above it)
+  R xv = _mm256_max_ps(_mm256_min_ps(x, set1(88.02969193f)), set1(-87.3365447504f));
   xv = _mm256_blendv_ps(xv, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // keep NaN
   R n = _mm256_round_ps(_mm256_mul_ps(xv, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #endif
@@ -296,7 +319,7 @@ inline Vectorized<float> vexp(const Vectorized<float>& x) {
   R res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   // below the clamp: 0 (what the unclamped formula would underflow to)
   res = _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, set1(-87.3365447504f), _CMP_LT_OQ));
-  return _mm256_blendv_ps(res, set1(INFINITY), _mm256_cmp_ps(x, set1(88.3762626647949f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(res, set1(INFINITY), _mm256_cmp_ps(x, set1(88.7228391f), _CMP_GT_OQ));
 #endif
 #else
   return x.exp();
@@ -447,15 +470,18 @@ struct IO<at::BFloat16> : IOReduced<at::BFloat16> {};
 // ---------------------------------------------------------------------------
 // Walking memory by segments (see the top of the file).
 
-// Length of the super-row: k whole rows of C, at least kMinRow elements.
+// Length of the super-row: k whole rows of P = C S, at least kMinRow elements.
 constexpr int64_t kMinRow = 256;
-inline int64_t super_row(int64_t C) { return C * std::max<int64_t>(1, (kMinRow + C - 1) / C); }
+inline int64_t super_row(const Geometry& g) {
+  const int64_t P = g.C * g.S;
+  return P * std::max<int64_t>(1, (kMinRow + P - 1) / P);
+}
 
 // Calls fn(e, n, key) for consecutive segments covering [e0, e1); key is the
 // channel (planar) or the offset in the super-row (rows).
 template <class Fn>
 inline void walk(const Geometry& g, int64_t R, int64_t e0, int64_t e1, const Fn& fn) {
-  if (!g.channels_last) {
+  if (!g.rows) {
     int64_t p = e0 / g.S;
     int64_t o = e0 - p * g.S;
     while (e0 < e1) {
@@ -476,12 +502,16 @@ inline void walk(const Geometry& g, int64_t R, int64_t e0, int64_t e1, const Fn&
   }
 }
 
-// A per-channel vector repeated over the super-row, padded with one vector of
-// zeros so that a partial vector at the end of a segment can be loaded whole.
+// A per-channel vector spread over the super-row (position r holds channel
+// (r / S) % C), padded with one vector of zeros so that a partial vector at
+// the end of a segment can be loaded whole.
 template <typename F>
-std::vector<F> expand(const F* src, int64_t C, int64_t R) {
+std::vector<F> expand(const F* src, const Geometry& g, int64_t R) {
   std::vector<F> out(R + Vectorized<F>::size(), F(0));
-  for (int64_t i = 0; i < R; ++i) out[i] = src[i % C];
+  F* o = out.data();
+  for (int64_t k = 0; k < R / (g.C * g.S); ++k)
+    for (int64_t c = 0; c < g.C; ++c)
+      for (int64_t s = 0; s < g.S; ++s) *o++ = src[c];
   return out;
 }
 
@@ -563,6 +593,17 @@ inline uint32_t read_bits(const int32_t* mask, int64_t e, int cnt) {
 
 inline uint32_t low_bits(int cnt) { return static_cast<uint32_t>((uint64_t(1) << cnt) - 1); }
 
+// Software prefetch kPrefetch elements ahead in the reductions: their loops
+// carry enough work per vector (double accumulators) that the hardware
+// prefetchers alone leave DRAM bandwidth unused once the data leaves the cache.
+constexpr int64_t kPrefetch = 2048;
+template <typename S>
+inline void prefetch(const S* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 0);
+#endif
+}
+
 // Grain of the element-wise kernels, in elements.
 constexpr int64_t kGrain = 16384;
 
@@ -581,10 +622,10 @@ void forward_t(const ForwardArgs& a) {
   const S* res = static_cast<const S*>(a.residual);
   const F* src[4] = {static_cast<const F*>(a.mean_hi), static_cast<const F*>(a.mean_lo),
                      static_cast<const F*>(a.scale), static_cast<const F*>(a.shift)};
-  const int64_t R = g.channels_last ? super_row(g.C) : 0;
+  const int64_t R = g.rows ? super_row(g) : 0;
   std::vector<F> exp[4];
-  if (g.channels_last)
-    for (int k = 0; k < 4; ++k) exp[k] = expand(src[k], g.C, R);
+  if (g.rows)
+    for (int k = 0; k < 4; ++k) exp[k] = expand(src[k], g, R);
   const V p(static_cast<F>(a.param));
   const int64_t nwords = (g.numel + 31) / 32;
   // Tasks start on mask-word boundaries so that no two write the same word.
@@ -592,7 +633,7 @@ void forward_t(const ForwardArgs& a) {
     BitWriter bw(MASK ? a.mask + w0 : nullptr);
     const int64_t e0 = w0 * 32, e1 = std::min(w1 * 32, g.numel);
     walk(g, R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
-      with_coef<F, 4>(g.channels_last, key, src, exp, [&](const auto& co) {
+      with_coef<F, 4>(g.rows, key, src, exp, [&](const auto& co) {
         S* xp = x + e;
         const S* rp = RES ? res + e : nullptr;
         for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
@@ -606,7 +647,8 @@ void forward_t(const ForwardArgs& a) {
           else
             io::store(xp + j, y, cnt);
           if constexpr (MASK) {
-            uint32_t bits = movemask(Ac::branch(z) != V(F(0)));
+            // Silu::branch(z) = [z < z*], one compare
+            uint32_t bits = lt_bits(z, V(static_cast<F>(kSiluZStar)));
             bw.put(FULL ? bits : bits & low_bits(cnt), cnt);
           }
         });
@@ -634,14 +676,14 @@ void backward_input_t(const BackwardInputArgs& a) {
   S* dres = static_cast<S*>(a.dres);
   const F* src[4] = {static_cast<const F*>(a.shift), static_cast<const F*>(a.a_gz), static_cast<const F*>(a.b_zc),
                      static_cast<const F*>(a.c0)};
-  const int64_t R = g.channels_last ? super_row(g.C) : 0;
+  const int64_t R = g.rows ? super_row(g) : 0;
   std::vector<F> exp[4];
-  if (g.channels_last)
-    for (int k = 0; k < 4; ++k) exp[k] = expand(src[k], g.C, R);
+  if (g.rows)
+    for (int k = 0; k < 4; ++k) exp[k] = expand(src[k], g, R);
   const V p(static_cast<F>(a.param));
   at::parallel_for(0, g.numel, kGrain, [&](int64_t e0, int64_t e1) {
     walk(g, R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
-      with_coef<F, 4>(g.channels_last, key, src, exp, [&](const auto& co) {
+      with_coef<F, 4>(g.rows, key, src, exp, [&](const auto& co) {
         for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
           constexpr bool FULL = decltype(full)::value;
           const int64_t i = e + j;
@@ -707,18 +749,23 @@ inline double lane_sum(const DPair<F>& a) {
   return s;
 }
 
-// elem(i, j, cnt, full, co, u, v): the addends of the vector of elements at
-// flat index i, segment offset j (cnt valid lanes; invalid lanes must give
-// u = 0 and a finite v). src / exp: the K per-channel coefficient arrays and
-// their super-row expansions.
-template <typename F, int K, class Elem>
+// elem(i, j, cnt, full, co, u, v): for the vector of elements at flat index
+// i, segment offset j (cnt valid lanes; invalid lanes must give u = 0 and a
+// finite v), the compute-type vectors u, v; the sums are sum u and sum u v,
+// taken in double (u v exactly). PAIRS (planar only): four consecutive
+// vectors of a plane are first combined pairwise in the compute type (two
+// more roundings, then double), which quarters the conversions. (Rows are walked strictly in memory
+// order: interleaving several rows to pair them up costs more DRAM
+// bandwidth than it saves.) src: the K per-channel coefficient arrays.
+template <typename F, int K, bool PAIRS, class Elem>
 void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* out1, double* out2) {
   using D = Vectorized<double>;
+  using V = Vectorized<F>;
   constexpr int W = Vectorized<F>::size();
   constexpr int H = D::size();
   constexpr int NP = DPair<F>::N;
   const int64_t C = g.C;
-  if (!g.channels_last) {
+  if (!g.rows) {
     const int64_t S = g.S;
     const int64_t parts = (S + kPart - 1) / kPart;
     const int64_t part = (S + parts - 1) / parts;
@@ -736,13 +783,34 @@ void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* o
         for (int k = 0; k < K; ++k) co.set(k, src[k], noexp[k], pl % C);
         DPair<F> s1, s2;
         for (int k = 0; k < NP; ++k) s1.v[k] = s2.v[k] = D(0.0);
-        for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
-          DPair<F> uu, vv;
-          elem(b + j, j, cnt, full, co, uu, vv);
+        auto acc_exact = [&](const V& uu, const V& vv) {
+          DPair<F> du = todp(uu), dv = todp(vv);
           for (int k = 0; k < NP; ++k) {
-            s1.v[k] = s1.v[k] + uu.v[k];
-            s2.v[k] = at::vec::fmadd(uu.v[k], vv.v[k], s2.v[k]);
+            s1.v[k] = s1.v[k] + du.v[k];
+            s2.v[k] = at::vec::fmadd(du.v[k], dv.v[k], s2.v[k]);
           }
+        };
+        int64_t j = 0;
+        if constexpr (PAIRS) {
+          // four vectors summed pairwise in F first, then in double
+          for (; j + 4 * W <= n; j += 4 * W) {
+            V u0, v0, u1, v1, u2, v2, u3, v3;
+            elem(b + j, j, W, std::true_type{}, co, u0, v0);
+            elem(b + j + W, j + W, W, std::true_type{}, co, u1, v1);
+            elem(b + j + 2 * W, j + 2 * W, W, std::true_type{}, co, u2, v2);
+            elem(b + j + 3 * W, j + 3 * W, W, std::true_type{}, co, u3, v3);
+            DPair<F> du = todp((u0 + u1) + (u2 + u3));
+            DPair<F> dw = todp(at::vec::fmadd(u1, v1, u0 * v0) + at::vec::fmadd(u3, v3, u2 * v2));
+            for (int k = 0; k < NP; ++k) {
+              s1.v[k] = s1.v[k] + du.v[k];
+              s2.v[k] = s2.v[k] + dw.v[k];
+            }
+          }
+        }
+        for_vectors<W>(n - j, [&](int64_t jj, int cnt, auto full) {
+          V uu, vv;
+          elem(b + j + jj, j + jj, cnt, full, co, uu, vv);
+          acc_exact(uu, vv);
         });
         buf[2 * u] = lane_sum(s1);
         buf[2 * u + 1] = lane_sum(s2);
@@ -761,45 +829,64 @@ void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* o
       out2[c] = a2;
     }
   } else {
-    const int64_t R = super_row(C);
+    const int64_t R = super_row(g);
     std::vector<F> exp[K];
-    for (int k = 0; k < K; ++k) exp[k] = expand(src[k], C, R);
+    for (int k = 0; k < K; ++k) exp[k] = expand(src[k], g, R);
     const int64_t nsr = (g.numel + R - 1) / R;
-    const int64_t br = std::max<int64_t>(1, kBlock / R);
+    // super-rows per unit: about kBlock elements, and at least 4 super-rows
+    // when these are long, so that clearing and folding the accumulators
+    // stays small next to the data
+    const int64_t br = std::max<int64_t>(R >= kBlock / 4 ? 4 : 1, kBlock / R);
     const int64_t units = (nsr + br - 1) / br;
     std::vector<double> buf(2 * C * units);
-    const int64_t RP = R + W;  // padded accumulator length
+    // padded accumulator length, a whole number of cache lines
+    const int64_t RP = (R + W + 7) / 8 * 8;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-      std::vector<double> acc(2 * RP);
+      // 64-byte aligned accumulators: unaligned vector stores split lines
+      std::vector<double> acc_mem(2 * RP + 8);
+      double* const acc_p = acc_mem.data() + (8 - (reinterpret_cast<uintptr_t>(acc_mem.data()) / 8) % 8) % 8;
       for (int64_t u = u0; u < u1; ++u) {
-        std::fill(acc.begin(), acc.end(), 0.0);
+        std::fill(acc_p, acc_p + 2 * RP, 0.0);
         const int64_t e0 = u * br * R, e1 = std::min(g.numel, (u + 1) * br * R);
         walk(g, R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
           Coef<F, K, true> co;
           for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], key);
-          double* a1 = acc.data() + key;
-          double* a2 = acc.data() + RP + key;
+          double* a1 = acc_p + key;
+          double* a2 = acc_p + RP + key;
           for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
-            DPair<F> uu, vv;
+            V uu, vv;
             elem(e + j, j, cnt, full, co, uu, vv);
+            DPair<F> du = todp(uu), dv = todp(vv);
             for (int k = 0; k < NP; ++k) {
               double* p1 = a1 + j + k * H;
               double* p2 = a2 + j + k * H;
-              (D::loadu(p1) + uu.v[k]).store(p1);
-              at::vec::fmadd(uu.v[k], vv.v[k], D::loadu(p2)).store(p2);
+              (D::loadu(p1) + du.v[k]).store(p1);
+              at::vec::fmadd(du.v[k], dv.v[k], D::loadu(p2)).store(p2);
             }
           });
         });
+        // fold the super-row to channels (a fixed order: rows, then positions)
         double* o = buf.data() + 2 * C * u;
-        for (int64_t c = 0; c < C; ++c) {
-          double t1 = 0, t2 = 0;
-          for (int64_t r = c; r < R; r += C) {
-            t1 += acc[r];
-            t2 += acc[RP + r];
+        std::fill(o, o + 2 * C, 0.0);
+        for (int64_t k = 0; k < R / (C * g.S); ++k)
+          for (int64_t c = 0; c < C; ++c) {
+            const double* p1 = acc_p + (k * C + c) * g.S;
+            const double* p2 = p1 + RP;
+            D v1(0.0), v2(0.0);
+            int64_t sidx = 0;
+            for (; sidx + H <= g.S; sidx += H) {
+              v1 = v1 + D::loadu(p1 + sidx);
+              v2 = v2 + D::loadu(p2 + sidx);
+            }
+            double t1 = lane_sum<double>(DPair<double>{{v1}});
+            double t2 = lane_sum<double>(DPair<double>{{v2}});
+            for (; sidx < g.S; ++sidx) {
+              t1 += p1[sidx];
+              t2 += p2[sidx];
+            }
+            o[c] += t1;
+            o[C + c] += t2;
           }
-          o[c] = t1;
-          o[C + c] = t2;
-        }
       }
     });
     for (int64_t c = 0; c < C; ++c) {
@@ -817,7 +904,9 @@ void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* o
 // ---------------------------------------------------------------------------
 // batch_stats: sums of d = x - K_c and d^2, K_c = the channel's first element
 // (a sample value, so |sum d| / n is of the order of the standard deviation
-// and the variance does not cancel), in double.
+// and the variance does not cancel); d in the compute type (exact when
+// |x - K| <= |K|, the hostile case |mean| >> std), pairs of d and d^2 in the
+// compute type, sums in double.
 template <typename S>
 void batch_stats_t(const StatsArgs& a) {
   using io = IO<S>;
@@ -827,18 +916,19 @@ void batch_stats_t(const StatsArgs& a) {
   const int64_t C = g.C;
   const S* x = static_cast<const S*>(a.x);
   std::vector<F> K(C);
-  for (int64_t c = 0; c < C; ++c) K[c] = static_cast<F>(x[g.channels_last ? c : c * g.S]);
+  for (int64_t c = 0; c < C; ++c) K[c] = static_cast<F>(x[c * g.S]);
   const F* src[1] = {K.data()};
   std::vector<double> s1(C), s2(C);
-  reduce2<F, 1>(
+  reduce2<F, 1, true>(
       g, src,
-      [&](int64_t i, int64_t j, int cnt, auto full, const auto& co, DPair<F>& u, DPair<F>& v) {
+      [&](int64_t i, int64_t j, int cnt, auto full, const auto& co, V& u, V& v) {
         constexpr bool FULL = decltype(full)::value;
         V k = co.get(0, j);
         // invalid lanes of a partial vector read as K: d = 0 there
+        if constexpr (FULL) prefetch(x + i + kPrefetch);
         V xv = FULL ? io::load(x + i) : V::set(k, io::load(x + i, cnt), cnt);
-        DPair<F> xd = todp(xv), kd = todp(k);
-        for (int t = 0; t < DPair<F>::N; ++t) u.v[t] = xd.v[t] - kd.v[t];
+        // exact when |x - K| <= |K| (Sterbenz), i.e. wherever |mean| >> std
+        u = xv - k;
         v = u;
       },
       s1.data(), s2.data());
@@ -864,10 +954,15 @@ void backward_reduce_t(const BackwardReduceArgs& a) {
   const S* res = static_cast<const S*>(a.residual);
   const F* src[1] = {static_cast<const F*>(a.shift)};
   const V p(static_cast<F>(a.param));
-  reduce2<F, 1>(
+  reduce2<F, 1, true>(
       a.g, src,
-      [&](int64_t i, int64_t j, int cnt, auto full, const auto& co, DPair<F>& u, DPair<F>& v) {
+      [&](int64_t i, int64_t j, int cnt, auto full, const auto& co, V& u, V& v) {
         constexpr bool FULL = decltype(full)::value;
+        if constexpr (FULL) {
+          prefetch(y + i + kPrefetch);
+          prefetch(dy + i + kPrefetch);
+          if constexpr (RES) prefetch(res + i + kPrefetch);
+        }
         V yv = FULL ? io::load(y + i) : io::load(y + i, cnt);
         V gv = FULL ? io::load(dy + i) : io::load(dy + i, cnt);
         V left(F(0));
@@ -881,8 +976,8 @@ void backward_reduce_t(const BackwardReduceArgs& a) {
           gz = V::set(V(F(0)), gz, cnt);
           zc = V::set(V(F(0)), zc, cnt);
         }
-        u = todp(gz);
-        v = todp(zc);
+        u = gz;
+        v = zc;
       },
       a.sum_gz, a.sum_gz_zc);
 }
