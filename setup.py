@@ -43,10 +43,28 @@ def _want_cuda():
     return torch.cuda.is_available() and CUDA_HOME is not None
 
 
+def _openmp_flags():
+    """-fopenmp where torch's intra-op pool is OpenMP (the Linux wheels).
+
+    at::parallel_for is a header template: compiled without OpenMP it runs
+    every loop on one thread, whatever torch.get_num_threads() says. Linking
+    with -fopenmp records libgomp.so.1, the same soname as torch's bundled
+    copy, so the process still has one OpenMP runtime.
+    """
+    import sys
+
+    import torch
+
+    if sys.platform in ("win32", "darwin") or "OpenMP" not in torch.__config__.parallel_info():
+        return []
+    return ["-fopenmp"]
+
+
 def _extensions():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
     sources = rel("src/*.cpp") + rel("src/cpu/*.cpp")
-    cxx = ["-O3", "-fvisibility=hidden"]  # torch adds its -std (C++20 for torch 2.14)
+    omp = _openmp_flags()
+    cxx = ["-O3", "-fvisibility=hidden"] + omp  # torch adds its -std (C++20 for torch 2.14)
     include_dirs = [os.path.join(HERE, "src")]
     cuda_sources = rel("src/cuda/*.cu")
     if _want_cuda() and cuda_sources:
@@ -61,9 +79,13 @@ def _extensions():
                 include_dirs=include_dirs,
                 define_macros=[("INPLACE_ABN_WITH_CUDA", None)],
                 extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
+                extra_link_args=omp,
             )
         ]
-    return [CppExtension("inplace_abn._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})]
+    return [
+        CppExtension("inplace_abn._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
+                     extra_link_args=omp)
+    ]
 
 
 setup(

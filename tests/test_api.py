@@ -73,6 +73,69 @@ def test_bitwise_reproducible(backend):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")
+@pytest.mark.parametrize("shape,fmt", [
+    ((8, 16, 40, 40), torch.contiguous_format),  # planar path, several tasks per thread
+    ((8, 24, 17, 17), torch.channels_last),      # rows path, odd channel count
+    ((16, 96, 7, 7), torch.contiguous_format),   # rows path for small planes
+    ((3000, 37), torch.contiguous_format),       # N x C, mask words straddling tasks
+])
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu"])
+def test_native_result_independent_of_thread_count(shape, fmt, activation):
+    """The kernels split work by shape, not by thread: 1, 2 and 3 threads agree bitwise.
+
+    The shapes are large enough for at::parallel_for to split them, and the
+    2-thread forward must run faster than twice the 1-thread one would allow
+    if it ran serially (an extension built without OpenMP runs every
+    parallel_for on one thread; that silently halved the speed once).
+    """
+    x0 = _x(*shape, seed=5).contiguous(memory_format=fmt)
+    dy = _x(*shape, seed=6).contiguous(memory_format=fmt)
+    outs = []
+    with inplace_abn.use_backend("native"):
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            layer = InPlaceABN(shape[1], activation=activation)
+            xin = x0.clone().requires_grad_()
+            y = layer(xin.clone())
+            y.backward(dy)
+            outs.append((y.detach(), xin.grad, layer.weight.grad, layer.bias.grad, layer.running_mean.clone(),
+                         layer.running_var.clone()))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")
+def test_native_kernels_use_more_than_one_thread():
+    """at::parallel_for really runs in parallel (the extension is built with OpenMP).
+
+    Counts the threads that execute a large forward: the kernel writes from
+    inside the parallel region, so with OpenMP missing only one thread shows
+    up in the per-thread CPU time of the process.
+    """
+    import resource
+    import time
+
+    x = _x(64, 64, 64, 64)
+    C = x.shape[1]
+    ops = torch.ops.inplace_abn
+    mean, var = torch.zeros(C), torch.ones(C)
+    torch.set_num_threads(2)
+    best = 0.0
+    for _ in range(5):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            ops.forward_(x, mean, var, None, None, None, 1e-5, _activation.SILU, 0.0, False)
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        best = max(best, cpu / wall)
+    # one thread gives a ratio <= 1; two busy threads approach 2
+    assert best > 1.3, f"CPU time / wall time = {best:.2f}: the kernels ran on one thread"
+
+
 def test_non_contiguous_input(backend):
     leaf = _x(4, 6, 8, 10, dtype=torch.float64).requires_grad_()
     strided = leaf.clone()[:, :, :, ::2]  # neither contiguous nor channels-last
