@@ -102,11 +102,25 @@ at::Tensor like(const at::Tensor& t, const at::Tensor& ref) {
 std::vector<double> channel_values(const std::optional<at::Tensor>& t, int64_t C, double fill) {
   std::vector<double> v(C, fill);
   if (t.has_value()) {
-    at::Tensor d = t->detach().to(at::kDouble).contiguous();
-    const double* p = d.data_ptr<double>();
-    for (int64_t c = 0; c < C; ++c) v[c] = p[c];
+    // read in place (any float dtype, any stride): no temporary tensor per call
+    const at::Tensor& s = *t;
+    const int64_t st = s.stride(0);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "inplace_abn_channel_values", [&] {
+      const scalar_t* p = s.const_data_ptr<scalar_t>();
+      for (int64_t c = 0; c < C; ++c) v[c] = static_cast<double>(p[c * st]);
+    });
   }
   return v;
+}
+
+// Writes v into t, a contiguous float32 or float64 tensor of v.size() elements.
+void fill_from(at::Tensor& t, const std::vector<double>& v) {
+  if (t.scalar_type() == at::kDouble) {
+    std::copy(v.begin(), v.end(), t.data_ptr<double>());
+  } else {
+    float* p = t.data_ptr<float>();
+    for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<float>(v[i]);
+  }
 }
 
 void check_vector(const at::Tensor& t, const at::Tensor& x, const char* name) {
@@ -165,10 +179,8 @@ std::tuple<at::Tensor, at::Tensor> batch_stats_cpu(const at::Tensor& x) {
   std::vector<double> m(C), v(C);
   StatsArgs a{x.data_ptr(), dt, g, m.data(), v.data()};
   kernels().batch_stats(a);
-  at::Tensor md = at::from_blob(m.data(), {C}, at::TensorOptions().dtype(at::kDouble));
-  at::Tensor vd = at::from_blob(v.data(), {C}, at::TensorOptions().dtype(at::kDouble));
-  mean.copy_(md);
-  var.copy_(vd);
+  fill_from(mean, m);
+  fill_from(var, v);
   return {mean, var};
 }
 
@@ -275,8 +287,8 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce_cpu(const at::Tensor& y, cons
   a.shift = dt == DType::Double ? static_cast<const void*>(beta.data()) : static_cast<const void*>(fsh.data());
   kernels().backward_reduce(a);
   for (int64_t c = 0; c < C; ++c) s2[c] /= gt[c];
-  sg.copy_(at::from_blob(s1.data(), {C}, at::TensorOptions().dtype(at::kDouble)));
-  sgx.copy_(at::from_blob(s2.data(), {C}, at::TensorOptions().dtype(at::kDouble)));
+  fill_from(sg, s1);
+  fill_from(sgx, s2);
   return {sg, sgx};
 }
 

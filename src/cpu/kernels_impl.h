@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -752,11 +753,13 @@ inline double lane_sum(const DPair<F>& a) {
 // elem(i, j, cnt, full, co, u, v): for the vector of elements at flat index
 // i, segment offset j (cnt valid lanes; invalid lanes must give u = 0 and a
 // finite v), the compute-type vectors u, v; the sums are sum u and sum u v,
-// taken in double (u v exactly). PAIRS (planar only): four consecutive
+// taken in double. PAIRS (planar only): four consecutive
 // vectors of a plane are first combined pairwise in the compute type (two
-// more roundings, then double), which quarters the conversions. (Rows are walked strictly in memory
-// order: interleaving several rows to pair them up costs more DRAM
-// bandwidth than it saves.) src: the K per-channel coefficient arrays.
+// more roundings, then double), which quarters the conversions. Rows are
+// walked strictly in memory order (interleaving rows costs more DRAM
+// bandwidth than it saves); their sums are kept in the compute type over a
+// few super-rows, then added to double. src: the K per-channel coefficient
+// arrays.
 template <typename F, int K, bool PAIRS, class Elem>
 void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* out1, double* out2) {
   using D = Vectorized<double>;
@@ -839,38 +842,57 @@ void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* o
     const int64_t br = std::max<int64_t>(R >= kBlock / 4 ? 4 : 1, kBlock / R);
     const int64_t units = (nsr + br - 1) / br;
     std::vector<double> buf(2 * C * units);
+    // Sums over kRowGroup super-rows are kept in the compute type (one load and
+    // one store per vector and sum), then added to double: a double
+    // accumulator per element would cost four loads and four stores per float
+    // vector, which bound the loop on the store port. Same rounding class as
+    // the planar pairs (a handful of compute-type additions, then double).
+    constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 8 : int64_t(1) << 40;
     // padded accumulator length, a whole number of cache lines
-    const int64_t RP = (R + W + 7) / 8 * 8;
+    const int64_t RP = (R + W + 15) / 16 * 16;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
       // 64-byte aligned accumulators: unaligned vector stores split lines
-      std::vector<double> acc_mem(2 * RP + 8);
-      double* const acc_p = acc_mem.data() + (8 - (reinterpret_cast<uintptr_t>(acc_mem.data()) / 8) % 8) % 8;
+      std::vector<double> dmem(2 * RP + 8);
+      std::vector<F> fmem(2 * RP + 64 / sizeof(F));
+      auto align = [](auto* p) {
+        using P = std::remove_pointer_t<decltype(p)>;
+        const uintptr_t mis = reinterpret_cast<uintptr_t>(p) % 64;
+        return mis == 0 ? p : p + (64 - mis) / sizeof(P);
+      };
+      double* const dacc = align(dmem.data());
+      F* const facc = align(fmem.data());
+      auto flush = [&]() {  // double += compute type, then clear the latter
+        for (int64_t j = 0; j < 2 * RP; j += W) {
+          DPair<F> d = todp(V::loadu(facc + j));
+          for (int k = 0; k < NP; ++k) (D::loadu(dacc + j + k * H) + d.v[k]).store(dacc + j + k * H);
+          V(F(0)).store(facc + j);
+        }
+      };
       for (int64_t u = u0; u < u1; ++u) {
-        std::fill(acc_p, acc_p + 2 * RP, 0.0);
-        const int64_t e0 = u * br * R, e1 = std::min(g.numel, (u + 1) * br * R);
-        walk(g, R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
+        std::fill(dacc, dacc + 2 * RP, 0.0);
+        std::fill(facc, facc + 2 * RP, F(0));
+        const int64_t r0 = u * br, r1 = std::min(nsr, (u + 1) * br);
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t e = r * R;
+          const int64_t n = std::min(R, g.numel - e);
           Coef<F, K, true> co;
-          for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], key);
-          double* a1 = acc_p + key;
-          double* a2 = acc_p + RP + key;
+          for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], 0);
           for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
             V uu, vv;
             elem(e + j, j, cnt, full, co, uu, vv);
-            DPair<F> du = todp(uu), dv = todp(vv);
-            for (int k = 0; k < NP; ++k) {
-              double* p1 = a1 + j + k * H;
-              double* p2 = a2 + j + k * H;
-              (D::loadu(p1) + du.v[k]).store(p1);
-              at::vec::fmadd(du.v[k], dv.v[k], D::loadu(p2)).store(p2);
-            }
+            F* p1 = facc + j;
+            F* p2 = facc + RP + j;
+            (V::loadu(p1) + uu).store(p1);
+            at::vec::fmadd(uu, vv, V::loadu(p2)).store(p2);
           });
-        });
+          if ((r - r0) % kRowGroup == kRowGroup - 1 || r + 1 == r1) flush();
+        }
         // fold the super-row to channels (a fixed order: rows, then positions)
         double* o = buf.data() + 2 * C * u;
         std::fill(o, o + 2 * C, 0.0);
         for (int64_t k = 0; k < R / (C * g.S); ++k)
           for (int64_t c = 0; c < C; ++c) {
-            const double* p1 = acc_p + (k * C + c) * g.S;
+            const double* p1 = dacc + (k * C + c) * g.S;
             const double* p2 = p1 + RP;
             D v1(0.0), v2(0.0);
             int64_t sidx = 0;
