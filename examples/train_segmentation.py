@@ -50,13 +50,35 @@ def build_model(name: str, num_classes: int) -> nn.Module:
         from torchvision.models.segmentation.fcn import FCN, FCNHead
 
         backbone = tvm.resnet18(weights=None)
-        # ResNet-18's BasicBlock has no dilation: output stride 32, as torchvision builds it.
+        _dilate_last_stage(backbone)
         backbone = IntermediateLayerGetter(backbone, return_layers={"layer4": "out"})
         if name.startswith("deeplabv3"):
-            return DeepLabV3(backbone, DeepLabHead(512, num_classes))
+            # atrous rates for a 6x6 map (96 px at output stride 16), not VOC's 12/24/36
+            return DeepLabV3(backbone, DeepLabHead(512, num_classes, atrous_rates=(2, 4, 6)))
         return FCN(backbone, FCNHead(512, num_classes))
     builder = getattr(seg, name)
     return builder(weights=None, weights_backbone=None, num_classes=num_classes, aux_loss=False)
+
+
+def _dilate_last_stage(resnet: nn.Module) -> None:
+    """Output stride 16: layer4 without its stride, its 3x3 convolutions dilated by 2.
+
+    torchvision's BasicBlock refuses dilation at construction, but its
+    convolutions take it; this is what replace_stride_with_dilation does for
+    the Bottleneck ResNets (the first block keeps dilation 1 in its first conv).
+    At 96 px the head then sees 6x6 instead of 3x3 features, which small and
+    thin shapes need.
+    """
+    for i, block in enumerate(resnet.layer4):
+        if i == 0:
+            block.conv1.stride = (1, 1)
+            if block.downsample is not None:
+                block.downsample[0].stride = (1, 1)
+            convs = (block.conv2,)
+        else:
+            convs = (block.conv1, block.conv2)
+        for conv in convs:
+            conv.dilation, conv.padding = (2, 2), (2, 2)
 
 
 def forward_logits(model, images):
@@ -142,7 +164,7 @@ def make_loaders(args, rank, world):
         if num_classes is None:
             raise SystemExit("--data-root needs --num-classes (the number of classes in the masks)")
     else:
-        n_train = args.steps_per_epoch * args.batch_size * world
+        n_train = args.steps_per_epoch * args.batch_size
         train_set = SyntheticScenes(n_train, args.image_size, seed=args.seed, split="train")
         val_set = SyntheticScenes(args.val_size, args.image_size, seed=args.seed, split="val")
         num_classes = args.num_classes or SyntheticScenes.num_classes
@@ -153,8 +175,8 @@ def make_loaders(args, rank, world):
     else:
         train_sampler, val_sampler = torch.utils.data.RandomSampler(train_set, generator=g), None
     common = dict(num_workers=args.workers, pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
-    train = torch.utils.data.DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True, **common)
-    val = torch.utils.data.DataLoader(val_set, args.batch_size, sampler=val_sampler, **common)
+    train = torch.utils.data.DataLoader(train_set, args.local_batch, sampler=train_sampler, drop_last=True, **common)
+    val = torch.utils.data.DataLoader(val_set, args.local_batch, sampler=val_sampler, **common)
     return train, val, num_classes
 
 
@@ -183,7 +205,7 @@ def activation_bytes(model, args, device):
     """Activation bytes saved for backward by one training forward (DESIGN.md section 5)."""
     from inplace_abn.memory import saved_bytes
 
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    x = torch.randn(args.local_batch, 3, args.image_size, args.image_size, device=device)
     if args.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     params = list(model.parameters()) + list(model.buffers())
@@ -268,12 +290,14 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="deeplabv3_resnet18", help=f"one of: {', '.join(MODELS)}")
     ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--steps-per-epoch", type=int, default=80, help="synthetic data: steps per epoch")
-    ap.add_argument("--batch-size", type=int, default=8, help="per process")
+    ap.add_argument("--steps-per-epoch", type=int, default=40, help="synthetic data: steps per epoch")
+    ap.add_argument("--batch-size", type=int, default=16,
+                    help="global batch per step, split evenly across the processes (with InPlaceABNSync the "
+                         "batch statistics are those of the whole global batch)")
     ap.add_argument("--image-size", type=int, default=96)
     ap.add_argument("--val-size", type=int, default=64)
     ap.add_argument("--num-classes", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--slope", type=float, default=0.01, help="leaky_relu slope replacing ReLU")
     ap.add_argument("--data-root", default=None, help="folder of image/mask pairs (default: synthetic scenes)")
     ap.add_argument("--checkpoint-dir", default="checkpoints")
@@ -297,6 +321,10 @@ def main(argv=None):
     if args.data_root and not os.path.isdir(args.data_root):
         raise SystemExit(f"--data-root {args.data_root!r}: no such folder")
     args.rank, args.world, args.device = setup_distributed(args.device)
+    if args.batch_size % args.world:
+        raise SystemExit(f"--batch-size {args.batch_size} is the global batch and must be divisible by the "
+                         f"{args.world} processes")
+    args.local_batch = args.batch_size // args.world
     if args.threads:
         torch.set_num_threads(args.threads)
     elif args.device.type == "cpu" and args.world > 1:
@@ -317,7 +345,8 @@ def main(argv=None):
         stock = train(args, convert=False, label="stock")
         if args.rank == 0:
             print()
-            print(f"| {args.model}, batch {args.batch_size}x{args.world}, {args.image_size}px | stock | in-place ABN | ratio |")
+            print(f"| {args.model}, batch {args.local_batch}x{args.world}, {args.image_size}px | stock | in-place ABN "
+                  "| ratio |")
             print("|---|---|---|---|")
             print(f"| activation memory saved for backward (MiB) | {stock['mem'] / 2**20:.1f} | "
                   f"{ours['mem'] / 2**20:.1f} | {ours['mem'] / stock['mem']:.3f} |")

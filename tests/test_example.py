@@ -45,6 +45,8 @@ def test_two_gloo_processes_with_torchrun(tmp_path):
     out, stdout = _run([], tmp_path, launcher=launcher)
     assert "2 process(es)" in stdout
     assert _falls(out["losses"]), out["losses"]
+    # --batch-size is the global batch: 2 + 2 images per step, as many steps as one process takes
+    assert len(out["losses"]) == 6
 
 
 def test_data_root_folder_dataset(tmp_path):
