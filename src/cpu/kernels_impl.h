@@ -847,7 +847,7 @@ void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* o
     // accumulator per element would cost four loads and four stores per float
     // vector, which bound the loop on the store port. Same rounding class as
     // the planar pairs (a handful of compute-type additions, then double).
-    constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 8 : int64_t(1) << 40;
+    constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 4 : int64_t(1) << 40;
     // padded accumulator length, a whole number of cache lines
     const int64_t RP = (R + W + 15) / 16 * 16;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
