@@ -1,6 +1,6 @@
 """Forward+backward speed of InPlaceABN on the CPU, as ratios measured in one run.
 
-For each case it times, median over repeats:
+For each case it times, median over repeats (the four take turns):
   ours  : InPlaceABN forward + input/weight/bias gradients
   stock : nn.BatchNorm2d + activation (eager) forward + the same gradients
   floor : 4 x.clone() calls (8 passes over memory, DESIGN.md section 6)
@@ -53,17 +53,25 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _median_time(fn, repeats, warmup=10):
-    """Median seconds of fn over repeats, and minor page faults per call."""
+def _interleaved(fns, repeats, warmup=10):
+    """Median seconds of each function and its minor page faults per call.
+
+    The functions take turns within every repeat, so that all of them see the
+    same machine state (other load, cache and allocator state) on average.
+    """
     for _ in range(warmup):
-        fn()
-    times = []
-    f0 = _faults()
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    faults = [0] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), (_faults() - f0) / repeats
+        for i, fn in enumerate(fns):
+            f0 = _faults()
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+            faults[i] += _faults() - f0
+    return [statistics.median(t) for t in times], [f / repeats for f in faults]
 
 
 def bench(shape, activation, channels_last, repeats, dtype=torch.float32):
@@ -92,10 +100,8 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32):
         for _ in range(4):
             src.clone(memory_format=torch.preserve_format)
 
-    t_clone, _ = _median_time(run_clone, repeats)
-    t_ours, f_ours = _median_time(run_ours, repeats)
-    t_stock, f_stock = _median_time(run_stock, repeats)
-    t_floor, _ = _median_time(run_floor, repeats)
+    (t_clone, t_ours, t_stock, t_floor), (_, f_ours, f_stock, _) = _interleaved(
+        [run_clone, run_ours, run_stock, run_floor], repeats)
     return t_ours - t_clone, t_stock, t_floor, f_ours, f_stock
 
 
