@@ -48,6 +48,26 @@ inline void check_like(const std::optional<at::Tensor>& t, const at::Tensor& x, 
               x.device());
 }
 
+// The backward inverts the activation: leaky_relu and elu need a parameter > 0.
+inline void check_backward_param(Act act, double param) {
+  if (act == Act::LeakyRelu)
+    TORCH_CHECK(param > 0, "inplace_abn: leaky_relu needs a slope > 0 to be inverted in backward, got ", param);
+  if (act == Act::Elu)
+    TORCH_CHECK(param > 0, "inplace_abn: elu needs alpha > 0 to be inverted in backward, got ", param);
+}
+
+// The packed SiLU branch mask written by forward_ for y (DESIGN.md section 3).
+inline void check_mask(const at::Tensor& mask, const at::Tensor& y, Act act) {
+  if (act != Act::Silu) return;
+  TORCH_CHECK(mask.device() == y.device(), "inplace_abn: mask is on ", mask.device(), " but the input is on ",
+              y.device());
+  TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 1 && mask.is_contiguous(),
+              "inplace_abn: mask must be a contiguous 1-D int32 tensor, got ", mask.scalar_type(), " ",
+              mask.sizes());
+  TORCH_CHECK(mask.numel() >= mask_words(y.numel()), "inplace_abn: mask has ", mask.numel(), " words, need ",
+              mask_words(y.numel()), " for ", y.numel(), " elements");
+}
+
 // Memory layout the kernels understand without copies: contiguous (N, C, S)
 // or channels-last (N, S, C). Anything else must be made contiguous by the caller.
 enum class Layout { Contiguous, ChannelsLast, Other };

@@ -141,23 +141,6 @@ std::vector<double> eff_weight(const std::optional<at::Tensor>& weight, int64_t 
   return g;
 }
 
-void check_backward_param(Act act, double param) {
-  if (act == Act::LeakyRelu)
-    TORCH_CHECK(param > 0, "inplace_abn: leaky_relu needs a slope > 0 to be inverted in backward, got ", param);
-  if (act == Act::Elu)
-    TORCH_CHECK(param > 0, "inplace_abn: elu needs alpha > 0 to be inverted in backward, got ", param);
-}
-
-void check_mask(const at::Tensor& mask, const at::Tensor& y, Act act) {
-  if (act != Act::Silu) return;
-  check_cpu(mask, "mask");
-  TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 1 && mask.is_contiguous(),
-              "inplace_abn: mask must be a contiguous 1-D int32 tensor, got ", mask.scalar_type(), " ",
-              mask.sizes());
-  TORCH_CHECK(mask.numel() >= mask_words(y.numel()), "inplace_abn: mask has ", mask.numel(), " words, need ",
-              mask_words(y.numel()), " for ", y.numel(), " elements");
-}
-
 // Per-channel vectors in the compute type F.
 template <typename F>
 std::vector<F> cast(const std::vector<double>& v) {

@@ -214,24 +214,6 @@ inline void check_same_shape(const std::optional<at::Tensor>& t, const at::Tenso
               t->scalar_type());
 }
 
-// The backward inverts the activation: leaky_relu and elu need a parameter > 0.
-inline void check_backward_param(Act act, double param) {
-  if (act == Act::LeakyRelu)
-    TORCH_CHECK(param > 0, "inplace_abn: leaky_relu needs a slope > 0 to be inverted in backward, got ", param);
-  if (act == Act::Elu)
-    TORCH_CHECK(param > 0, "inplace_abn: elu needs alpha > 0 to be inverted in backward, got ", param);
-}
-
-inline void check_mask(const at::Tensor& mask, const at::Tensor& y, Act act) {
-  if (act != Act::Silu) return;
-  backend::check_device(mask, y, "mask");
-  TORCH_CHECK(mask.scalar_type() == at::kInt, "inplace_abn: mask must be int32, got ", mask.scalar_type());
-  TORCH_CHECK(mask.dim() == 1 && mask.is_contiguous(), "inplace_abn: mask must be a contiguous 1-D tensor, got ",
-              mask.sizes());
-  TORCH_CHECK(mask.numel() >= mask_words(y.numel()), "inplace_abn: mask has ", mask.numel(), " words, ",
-              mask_words(y.numel()), " needed");
-}
-
 template <class F>
 void dispatch_act(Act a, F&& f) {
   switch (a) {
