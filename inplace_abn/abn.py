@@ -97,6 +97,10 @@ class ABN(nn.Module):
         momentum, training = self._momentum_and_training()
         running_mean, running_var = self._running_stats()
         x = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training, momentum, self.eps)
+        return self._activate(x)
+
+    def _activate(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's activation with the stock in-place functions (x is a fresh BN output)."""
         if self.activation == "relu":
             return F.relu(x, inplace=True)
         if self.activation == "leaky_relu":

@@ -131,18 +131,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 _warned_no_dist = False
 
 
-def _activate(module, x):
-    if module.activation == "relu":
-        return F.relu(x, inplace=True)
-    if module.activation == "leaky_relu":
-        return F.leaky_relu(x, negative_slope=module.activation_param, inplace=True)
-    if module.activation == "elu":
-        return F.elu(x, alpha=module.activation_param, inplace=True)
-    if module.activation in ("silu", "swish"):
-        return F.silu(x, inplace=True)
-    return x
-
-
 class ABNSync(ABN):
     """`ABN` (stock BatchNorm + activation, not in place) with batch statistics
     synchronised over a process group.
@@ -198,7 +186,7 @@ class ABNSync(ABN):
         running_mean, running_var = self._running_stats()
         z = _SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean, running_var, momentum,
                                          float(self.eps), group)
-        return _activate(self, z)
+        return self._activate(z)
 
 
 def _common_kwargs(m):

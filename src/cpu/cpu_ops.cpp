@@ -4,9 +4,11 @@
 // kernels of the best SIMD level this machine and PyTorch allow
 // (kernels_impl.h, built per level in kernels_{default,avx2,avx512}.cpp).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -344,8 +346,24 @@ std::tuple<at::Tensor, at::Tensor> backward_input_cpu(
   return {dx, dres};
 }
 
+// How many distinct threads at::parallel_for runs n unit-grain items on: a
+// diagnostic of the build (at::parallel_for is a header template, serial
+// unless this file is compiled with the pool's OpenMP), used by the tests.
+int64_t parallel_threads(int64_t n) {
+  std::vector<char> seen(std::max(1, at::get_num_threads()), 0);
+  at::parallel_for(0, std::max<int64_t>(n, 1), 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    if (t >= 0 && t < static_cast<int>(seen.size())) seen[t] = 1;
+  });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 }  // namespace
 }  // namespace cpu
+
+TORCH_LIBRARY_FRAGMENT(inplace_abn, m) {
+  m.def("_cpu_parallel_threads(int n) -> int", &cpu::parallel_threads);
+}
 
 TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) {
   m.impl("batch_stats", &cpu::batch_stats_cpu);
