@@ -289,7 +289,7 @@ def progress(loader, rank, desc):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="deeplabv3_resnet18", help=f"one of: {', '.join(MODELS)}")
-    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--steps-per-epoch", type=int, default=40, help="synthetic data: steps per epoch")
     ap.add_argument("--batch-size", type=int, default=16,
                     help="global batch per step, split evenly across the processes (with InPlaceABNSync the "
