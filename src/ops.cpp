@@ -1,8 +1,11 @@
-// Operator schemas of the native backend, declared once for every device
-// (DESIGN.md section 7). Implementations: src/cpu (CPU), src/cuda (CUDA).
-// Fake kernels and autograd live in Python (inplace_abn/_ops.py).
+// The inplace_abn operator library: its schemas (schemas.h), declared once
+// for every device (DESIGN.md section 7). Implementations: src/cpu (CPU),
+// src/cuda (CUDA); fake kernels and autograd live in Python
+// (inplace_abn/_backend.py, inplace_abn/functions.py).
 #include <Python.h>
 #include <torch/library.h>
+
+#include "schemas.h"
 
 // Importing inplace_abn._C from Python loads this library and so runs the
 // registrations below; the module itself has no Python-level contents.
@@ -11,24 +14,4 @@ PyMODINIT_FUNC PyInit__C(void) {  // PyMODINIT_FUNC: exported despite -fvisibili
   return PyModule_Create(&module_def);
 }
 
-TORCH_LIBRARY(inplace_abn, m) {
-  // Per-channel batch statistics over all dims but 1: (mean, biased var),
-  // float32 for float/half/bfloat16 inputs, float64 for double.
-  m.def("batch_stats(Tensor x) -> (Tensor mean, Tensor var)");
-  // y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual]) written into x.
-  // Returns the packed SiLU branch mask (int32, ceil(numel/32) words in memory
-  // order of x), empty for other activations.
-  m.def(
-      "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight) -> Tensor mask");
-  // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone.
-  m.def(
-      "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight) -> (Tensor sum_gz, Tensor sum_gz_xhat)");
-  // dx = g~ r (gz - mean_gz - xhat * mean_gz_xhat); with residual_grad also
-  // returns gz (the residual's gradient), else an empty tensor.
-  m.def(
-      "backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
-      "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, "
-      "float activation_param, bool signed_weight, bool residual_grad) -> (Tensor dx, Tensor dresidual)");
-}
+TORCH_LIBRARY(inplace_abn, m) { inplace_abn::define_schemas(m); }

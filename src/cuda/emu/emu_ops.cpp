@@ -40,6 +40,7 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, Stream, Args&&... a
 #include "cuda/op_backward_reduce.h"
 #include "cuda/op_batch_stats.h"
 #include "cuda/op_forward.h"
+#include "schemas.h"
 
 namespace {
 // Multiprocessor count (sizes the grids), gridDim.y cap and fixed-channel
@@ -54,17 +55,7 @@ void set_config(int64_t sms, int64_t max_grid_y, int64_t max_fixed_blocks) {
 
 TORCH_LIBRARY(inplace_abn_emu, m) {
   m.def("set_config(int sms, int max_grid_y, int max_fixed_blocks) -> ()", &set_config);
-  m.def("batch_stats(Tensor x) -> (Tensor mean, Tensor var)");
-  m.def(
-      "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight) -> Tensor mask");
-  m.def(
-      "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight) -> (Tensor sum_gz, Tensor sum_gz_xhat)");
-  m.def(
-      "backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
-      "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, "
-      "float activation_param, bool signed_weight, bool residual_grad) -> (Tensor dx, Tensor dresidual)");
+  inplace_abn::define_schemas(m);
 }
 
 TORCH_LIBRARY_IMPL(inplace_abn_emu, CPU, m) {
