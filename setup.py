@@ -56,6 +56,7 @@ def _openmp_flags():
     import torch
 
     if sys.platform in ("win32", "darwin") or "OpenMP" not in torch.__config__.parallel_info():
+        print("inplace_abn: building without OpenMP: the CPU kernels will run on one thread", file=sys.stderr)
         return []
     return ["-fopenmp"]
 
