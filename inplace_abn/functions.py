@@ -35,6 +35,22 @@ def _like_layout(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=fmt)
 
 
+def update_running_stats(mean, var, count, running_mean, running_var, momentum, shape, synced):
+    """Check that training has more than one value per channel (``count``, over
+    the group when ``synced``), then move the running statistics towards the
+    batch mean and unbiased variance, as torch.nn.BatchNorm does."""
+    if count <= 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got {count} "
+            f"(input size {list(shape)}{' summed over the process group' if synced else ''})"
+        )
+    if running_mean is not None:
+        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+    if running_var is not None:
+        unbiased = var * (count / (count - 1))
+        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+
+
 class _InPlaceABNFunction(torch.autograd.Function):
     """y = f(BN(x) [+ residual]) written into x; backward from y (DESIGN.md section 2).
 
@@ -62,16 +78,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
             if group is not None:
                 mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean,
                                                              layer=(weight, bias, running_mean, running_var))
-            if count <= 1:
-                raise ValueError(
-                    f"Expected more than 1 value per channel when training, got {count} "
-                    f"(input size {list(x.shape)}{' summed over the process group' if group is not None else ''})"
-                )
-            if running_mean is not None:
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            if running_var is not None:
-                unbiased = var * (count / (count - 1))
-                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+            update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape, group is not None)
         else:
             mean, var, count = running_mean, running_var.clone(), local_count
 

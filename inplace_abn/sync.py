@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from . import _distributed
 from .abn import ABN, InPlaceABN, InPlaceABNSync
+from .functions import update_running_stats
 
 _ACC = {torch.float64: torch.float64}
 
@@ -79,15 +80,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             mean, var = xa.new_zeros(C), xa.new_zeros(C)
         mean, var, n = _distributed.reduce_stats(mean, var, count, group, running_mean,
                                                  layer=(weight, bias, running_mean, running_var))
-        if n <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {n} "
-                f"(input size {list(x.shape)} summed over the process group)"
-            )
-        if running_mean is not None:
-            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-        if running_var is not None:
-            running_var.mul_(1 - momentum).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=momentum)
+        update_running_stats(mean, var, n, running_mean, running_var, momentum, x.shape, synced=True)
         w = None if weight is None else weight.detach().to(acc)
         b = None if bias is None else bias.detach().to(acc)
         z = F.batch_norm(xa, mean, var, w, b, False, 0.0, eps).to(x.dtype)

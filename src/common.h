@@ -68,6 +68,23 @@ inline void check_mask(const at::Tensor& mask, const at::Tensor& y, Act act) {
               mask_words(y.numel()), " for ", y.numel(), " elements");
 }
 
+// Checks shared by backward_reduce and backward_input on every device (the
+// caller checks y's device); returns the activation.
+inline Act check_backward_args(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
+                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& residual, int64_t activation,
+                               double activation_param) {
+  check_input(y, "y");
+  const Act act = to_act(activation);
+  check_backward_param(act, activation_param);
+  check_like(dy, y, "dy");
+  check_channel_vector(weight, y, "weight");
+  check_channel_vector(bias, y, "bias");
+  check_like(residual, y, "residual");
+  check_mask(mask, y, act);
+  return act;
+}
+
 // Memory layout the kernels understand without copies: contiguous (N, C, S)
 // or channels-last (N, S, C). Anything else must be made contiguous by the caller.
 enum class Layout { Contiguous, ChannelsLast, Other };

@@ -234,16 +234,11 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce_cpu(const at::Tensor& y, cons
                                                        const std::optional<at::Tensor>& residual, double eps,
                                                        int64_t activation, double activation_param,
                                                        bool signed_weight) {
-  check_input(y, "y");
+  const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
   check_cpu(y, "y");
   const DType dt = dtype_of(y, "y");
-  const Act act = to_act(activation);
-  check_backward_param(act, activation_param);
-  check_like(std::optional<at::Tensor>(dy), y, "dy");
   check_optional_vector(weight, y, "weight");
   check_optional_vector(bias, y, "bias");
-  check_like(residual, y, "residual");
-  check_mask(mask, y, act);
   const int64_t C = y.size(1);
   const auto acc = acc_type_of(y.scalar_type());
   at::Tensor sg = at::zeros({C}, y.options().dtype(acc));
@@ -282,25 +277,20 @@ std::tuple<at::Tensor, at::Tensor> backward_input_cpu(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat,
     double eps, int64_t activation, double activation_param, bool signed_weight, bool residual_grad) {
-  check_input(y, "y");
+  const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
   check_cpu(y, "y");
   const DType dt = dtype_of(y, "y");
-  const Act act = to_act(activation);
-  check_backward_param(act, activation_param);
-  check_like(std::optional<at::Tensor>(dy), y, "dy");
   check_vector(var, y, "var");
   check_optional_vector(weight, y, "weight");
   check_optional_vector(bias, y, "bias");
-  check_like(residual, y, "residual");
   check_vector(mean_gz, y, "mean_gz");
   check_vector(mean_gz_xhat, y, "mean_gz_xhat");
-  check_mask(mask, y, act);
   const int64_t C = y.size(1);
-  if (y.numel() > 0) (void)geometry_of(y, "y");  // layout check before allocating
+  // layout check before allocating
+  const Geometry g = y.numel() > 0 ? geometry_of(y, "y") : Geometry{};
   at::Tensor dx = at::empty_like(y, at::MemoryFormat::Preserve);
   at::Tensor dres = residual_grad ? at::empty_like(y, at::MemoryFormat::Preserve) : at::empty({0}, y.options());
   if (y.numel() == 0) return {dx, dres};
-  const Geometry g = geometry_of(y, "y");
   at::Tensor dyl = like(dy, y);
   at::Tensor res;
   if (residual.has_value()) res = like(*residual, y);

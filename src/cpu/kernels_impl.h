@@ -868,6 +868,8 @@ void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* o
           V(F(0)).store(facc + j);
         }
       };
+      Coef<F, K, true> co;  // every super-row starts at offset 0 of the pattern
+      for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], 0);
       for (int64_t u = u0; u < u1; ++u) {
         std::fill(dacc, dacc + 2 * RP, 0.0);
         std::fill(facc, facc + 2 * RP, F(0));
@@ -875,8 +877,6 @@ void reduce2(const Geometry& g, const F* const* src, const Elem& elem, double* o
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t e = r * R;
           const int64_t n = std::min(R, g.numel - e);
-          Coef<F, K, true> co;
-          for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], 0);
           for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
             V uu, vv;
             elem(e + j, j, cnt, full, co, uu, vv);

@@ -13,18 +13,13 @@ inline std::tuple<at::Tensor, at::Tensor> backward_input(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat, double eps,
     int64_t activation, double activation_param, bool signed_weight, bool residual_grad) {
-  check_input(y, "y");
+  const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
   backend::check_device(y, y, "y");
   check_same_shape(dy, y, "dy");
   check_vector(var, y, "var");
-  check_vector(weight, y, "weight");
-  check_vector(bias, y, "bias");
   check_same_shape(residual, y, "residual");
   check_vector(mean_gz, y, "mean_gz");
   check_vector(mean_gz_xhat, y, "mean_gz_xhat");
-  const Act act = to_act(activation);
-  check_backward_param(act, activation_param);
-  check_mask(mask, y, act);
   backend::Guard guard(y);
   // Same dtype and memory format as y (x's storage): preserve_format keeps
   // the strides of a dense tensor, so memory positions match.

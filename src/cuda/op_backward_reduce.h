@@ -14,15 +14,10 @@ inline std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, c
                                                           const std::optional<at::Tensor>& residual, double eps,
                                                           int64_t activation, double activation_param,
                                                           bool signed_weight) {
-  check_input(y, "y");
+  const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
   backend::check_device(y, y, "y");
   check_same_shape(dy, y, "dy");
-  check_vector(weight, y, "weight");
-  check_vector(bias, y, "bias");
   check_same_shape(residual, y, "residual");
-  const Act act = to_act(activation);
-  check_backward_param(act, activation_param);
-  check_mask(mask, y, act);
   backend::Guard guard(y);
   const int64_t C = y.size(1);
   const auto opts = y.options().dtype(acc_type_of(y.scalar_type()));
