@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -143,11 +144,28 @@ std::vector<double> eff_weight(const std::optional<at::Tensor>& weight, int64_t 
   return g;
 }
 
-// Per-channel vectors in the compute type F.
-template <typename F>
-std::vector<F> cast(const std::vector<double>& v) {
-  return std::vector<F>(v.begin(), v.end());
-}
+// Per-channel vectors (computed in double) as the kernels read them, in the
+// compute type: the doubles themselves for double inputs, float copies
+// (owned here) otherwise. cv[k] is the k-th vector's data.
+class ComputeVectors {
+ public:
+  ComputeVectors(DType dt, std::initializer_list<const std::vector<double>*> vs) {
+    floats_.reserve(vs.size());
+    for (const std::vector<double>* v : vs) {
+      if (dt == DType::Double) {
+        ptrs_.push_back(v->data());
+      } else {
+        floats_.emplace_back(v->begin(), v->end());
+        ptrs_.push_back(floats_.back().data());
+      }
+    }
+  }
+  const void* operator[](size_t k) const { return ptrs_[k]; }
+
+ private:
+  std::vector<std::vector<float>> floats_;
+  std::vector<const void*> ptrs_;
+};
 
 // ---------------------------------------------------------------------------
 
@@ -210,20 +228,12 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& mean, const at::Te
   a.act = static_cast<int>(act);
   a.param = activation_param;
   a.mask = act == Act::Silu ? mask.data_ptr<int32_t>() : nullptr;
-  if (dbl) {
-    a.mean_hi = mhi.data();
-    a.mean_lo = mlo.data();
-    a.scale = scale.data();
-    a.shift = beta.data();
-    kernels().forward(a);
-  } else {
-    auto fmh = cast<float>(mhi), fml = cast<float>(mlo), fsc = cast<float>(scale), fsh = cast<float>(beta);
-    a.mean_hi = fmh.data();
-    a.mean_lo = fml.data();
-    a.scale = fsc.data();
-    a.shift = fsh.data();
-    kernels().forward(a);
-  }
+  const ComputeVectors cv(dt, {&mhi, &mlo, &scale, &beta});
+  a.mean_hi = cv[0];
+  a.mean_lo = cv[1];
+  a.scale = cv[2];
+  a.shift = cv[3];
+  kernels().forward(a);
   return mask;
 }
 
@@ -263,8 +273,8 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce_cpu(const at::Tensor& y, cons
   a.param = activation_param;
   a.sum_gz = s1.data();
   a.sum_gz_zc = s2.data();
-  auto fsh = cast<float>(beta);
-  a.shift = dt == DType::Double ? static_cast<const void*>(beta.data()) : static_cast<const void*>(fsh.data());
+  const ComputeVectors cv(dt, {&beta});
+  a.shift = cv[0];
   kernels().backward_reduce(a);
   for (int64_t c = 0; c < C; ++c) s2[c] /= gt[c];
   fill_from(sg, s1);
@@ -319,20 +329,12 @@ std::tuple<at::Tensor, at::Tensor> backward_input_cpu(
   a.param = activation_param;
   a.dx = dx.data_ptr();
   a.dres = residual_grad ? dres.data_ptr() : nullptr;
-  if (dt == DType::Double) {
-    a.shift = beta.data();
-    a.a_gz = A.data();
-    a.b_zc = B.data();
-    a.c0 = C0.data();
-    kernels().backward_input(a);
-  } else {
-    auto fsh = cast<float>(beta), fa = cast<float>(A), fb = cast<float>(B), fc = cast<float>(C0);
-    a.shift = fsh.data();
-    a.a_gz = fa.data();
-    a.b_zc = fb.data();
-    a.c0 = fc.data();
-    kernels().backward_input(a);
-  }
+  const ComputeVectors cv(dt, {&beta, &A, &B, &C0});
+  a.shift = cv[0];
+  a.a_gz = cv[1];
+  a.b_zc = cv[2];
+  a.c0 = cv[3];
+  kernels().backward_input(a);
   return {dx, dres};
 }
 
