@@ -354,6 +354,10 @@ def main(argv=None):
                   f"{ours['step'] / stock['step']:.2f} |")
             print(f"| final val mIoU | {stock['miou']:.3f} | {ours['miou']:.3f} | |")
     if args.world > 1:
+        # every rank reaches the end (rank 0 may still be writing its checkpoint)
+        # before any tears the group down: one CI run saw a rank abort at exit
+        # ("terminate called without an active exception") when it left first
+        dist.barrier()
         dist.destroy_process_group()
 
 
