@@ -1,9 +1,15 @@
-"""Activation names, codes and parameter checks shared by every layer.
+"""The single Python source of the per-layer formulas shared by every module:
+activation names, codes and parameter checks, the stock-operator activation
+(``apply``), the effective weight g~ and the accumulation dtype.
 
-The element-wise math itself lives in ``src/activations.h`` (native kernels)
-and, for the pure-PyTorch backend, in ``_pure.py``.
+The in-place element-wise math (forward, inverse, derivative) lives in
+``src/activations.h`` (native kernels) and, for the pure-PyTorch backend, in
+``_pure.py``; see docs/DESIGN.md.
 """
 import warnings
+
+import torch
+import torch.nn.functional as F
 
 IDENTITY, LEAKY_RELU, ELU, SILU = 0, 1, 2, 3
 
@@ -24,6 +30,49 @@ def check(activation: str, activation_param: float) -> None:
         )
     if activation == "elu" and not activation_param > 0:
         raise ValueError(f"elu needs alpha > 0, got activation_param={activation_param}")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics and per-channel coefficients are computed in:
+    float64 for float64 inputs, float32 for everything else (float16, bfloat16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def effective_weight(weight: torch.Tensor, eps: float, signed: bool) -> torch.Tensor:
+    """The scale g~ the layers apply, from the stored (C,) ``weight``.
+
+    ``abs`` mode (``signed=False``, the original library's convention):
+    g~ = |weight| + eps. ``signed`` mode: g~ = sign(weight) (|weight| + eps)
+    with sign(0) = +1, so standard BatchNorm weights load unchanged. Computed
+    in ``weight``'s dtype (convert first for another one). Under autograd the
+    derivative is the one the in-place backward uses: sign(weight) in abs mode
+    (0 at 0), 1 everywhere in signed mode.
+    """
+    g = weight.abs() + eps
+    if not signed:
+        return g
+    g = torch.where(weight < 0, -g, g)
+    if weight.requires_grad:  # d g~ / d weight = 1, also at weight = 0 where abs' is 0
+        g = g.detach() + (weight - weight.detach())
+    return g
+
+
+def apply(z: torch.Tensor, activation: str, activation_param: float, inplace: bool = False) -> torch.Tensor:
+    """f(z) with the stock torch.nn.functional operators (any shape).
+
+    The reference and export form of every activation name, ``relu`` included.
+    """
+    if activation == "relu":
+        return F.relu(z, inplace=inplace)
+    if activation == "leaky_relu":
+        return F.leaky_relu(z, negative_slope=activation_param, inplace=inplace)
+    if activation == "elu":
+        return F.elu(z, alpha=activation_param, inplace=inplace)
+    if activation in ("silu", "swish"):
+        return F.silu(z, inplace=inplace)
+    if activation == "identity":
+        return z
+    raise ValueError(f"Unknown activation {activation!r}: expected one of {', '.join(NAMES)}")
 
 
 def is_invertible(activation: str, activation_param: float) -> bool:

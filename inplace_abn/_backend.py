@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from . import _pure
+from . import _activation, _pure
 
 _native_error = None
 try:
@@ -106,7 +106,7 @@ def _register_fakes():
     """Fake (meta) kernels: shapes and dtypes only, for torch.compile / export / opcheck."""
 
     def acc(t):
-        return torch.float64 if t.dtype == torch.float64 else torch.float32
+        return _activation.acc_dtype(t.dtype)
 
     @torch.library.register_fake("inplace_abn::batch_stats")
     def _(x):

@@ -17,8 +17,7 @@ SILU_YSTAR = -0.2784645427610738
 SILU_CURV = 0.2178117057198001
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+acc_dtype = A.acc_dtype
 
 
 def _per_channel(v: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -41,10 +40,7 @@ def _coefficients(weight, bias, eps, signed, C, dtype, device):
     if weight is None:
         g = torch.ones(C, dtype=dtype, device=device)
     else:
-        w = weight.to(dtype)
-        g = w.abs() + eps
-        if signed:
-            g = torch.where(w < 0, -g, g)
+        g = A.effective_weight(weight.detach().to(dtype), eps, signed)
     b = torch.zeros(C, dtype=dtype, device=device) if bias is None else bias.to(dtype)
     return g, b
 

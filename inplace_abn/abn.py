@@ -101,15 +101,7 @@ class ABN(nn.Module):
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's activation with the stock in-place functions (x is a fresh BN output)."""
-        if self.activation == "relu":
-            return F.relu(x, inplace=True)
-        if self.activation == "leaky_relu":
-            return F.leaky_relu(x, negative_slope=self.activation_param, inplace=True)
-        if self.activation == "elu":
-            return F.elu(x, alpha=self.activation_param, inplace=True)
-        if self.activation in ("silu", "swish"):
-            return F.silu(x, inplace=True)
-        return x
+        return _activation.apply(x, self.activation, self.activation_param, inplace=True)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

@@ -166,10 +166,6 @@ class ConversionReport:
 # ---- weights -----------------------------------------------------------------------------
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def bn_weight_to_signed(weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``weight_mode="signed"`` weight that reproduces a BatchNorm weight.
 
@@ -184,7 +180,7 @@ def bn_weight_to_signed(weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor,
     negative weight a negative number too small to change ``|w2| + eps``).
     Half-precision weights are rounded once more on the way back.
     """
-    acc = _acc_dtype(weight.dtype)
+    acc = _activation.acc_dtype(weight.dtype)
     w = weight.detach().to(acc)
     a = w.abs()
     zero = torch.zeros((), dtype=acc, device=w.device)

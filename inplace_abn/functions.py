@@ -89,7 +89,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
             # ReLU loses the negative values the backward needs: keep z, in the
             # accumulation dtype so half inputs lose nothing (no memory saving),
             # and apply the activation afterwards.
-            saved_y = work.to(torch.float64 if x.dtype == torch.float64 else torch.float32, copy=True)
+            saved_y = work.to(_activation.acc_dtype(x.dtype), copy=True)
             res = None if residual is None else residual.to(saved_y.dtype)
             mask = ops.forward_(saved_y, mean, var, weight, bias, res, eps, act, activation_param, signed)
             work.copy_(saved_y.clamp(min=0))
@@ -192,23 +192,11 @@ def _standard_ops(x, weight, bias, running_mean, running_var, training, momentum
     Used under torch.export / torch.jit.trace, so that exported programs and
     ONNX files hold only standard operators and need no custom-op library.
     """
-    g = None
-    if weight is not None:
-        g = weight.abs() + eps
-        if weight_mode == "signed":  # sign(0) = +1; d g~ / d weight = 1 (DESIGN.md section 2)
-            g = torch.where(weight < 0, -g, g).detach() + (weight - weight.detach())
+    g = None if weight is None else _activation.effective_weight(weight, eps, weight_mode == "signed")
     z = F.batch_norm(x, running_mean, running_var, g, bias, training, momentum, eps)
     if residual is not None:
         z = z + residual
-    if activation == "relu":
-        return F.relu(z)
-    if activation == "leaky_relu":
-        return F.leaky_relu(z, activation_param)
-    if activation == "elu":
-        return F.elu(z, activation_param)
-    if activation in ("silu", "swish"):
-        return F.silu(z)
-    return z
+    return _activation.apply(z, activation, activation_param)
 
 
 def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation, activation_param,

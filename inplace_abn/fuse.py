@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _activation
 from .abn import ABN, InPlaceABN
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -57,15 +58,7 @@ class FoldedABN(nn.Module):
             z = z * self.scale.view(shape) + self.shift.view(shape)
         if residual is not None:
             z = z + residual
-        if self.activation == "relu":
-            return F.relu(z)
-        if self.activation == "leaky_relu":
-            return F.leaky_relu(z, self.activation_param)
-        if self.activation == "elu":
-            return F.elu(z, self.activation_param)
-        if self.activation in ("silu", "swish"):
-            return F.silu(z)
-        return z
+        return _activation.apply(z, self.activation, self.activation_param)
 
     def extra_repr(self) -> str:
         folded = "" if self.scale is not None else ", folded into the convolution"
@@ -80,10 +73,7 @@ def _scale_shift(layer: ABN):
     if layer.weight is None:
         g = torch.ones_like(var)
     elif isinstance(layer, InPlaceABN):
-        w = layer.weight.detach().double()
-        g = w.abs() + layer.eps
-        if layer.weight_mode == "signed":
-            g = torch.where(w < 0, -g, g)
+        g = _activation.effective_weight(layer.weight.detach().double(), layer.eps, layer.weight_mode == "signed")
     else:  # ABN: stock BatchNorm weight
         g = layer.weight.detach().double()
     beta = torch.zeros_like(var) if layer.bias is None else layer.bias.detach().double()

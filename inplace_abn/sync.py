@@ -40,15 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import _distributed
+from . import _activation, _distributed
 from .abn import ABN, InPlaceABN, InPlaceABNSync
 from .functions import update_running_stats
 
-_ACC = {torch.float64: torch.float64}
-
-
-def _acc(dtype):
-    return _ACC.get(dtype, torch.float32)
+_acc = _activation.acc_dtype
 
 
 def _pc(v, nd):
