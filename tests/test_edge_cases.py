@@ -10,7 +10,9 @@ import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 import torch.nn as nn
 
-from inplace_abn import ABN, InPlaceABN, InPlaceABNSync, inplace_abn, inplace_abn_sync
+from inplace_abn import ABN, HAS_NATIVE, InPlaceABN, InPlaceABNSync, inplace_abn, inplace_abn_sync
+from inplace_abn import _activation as _A
+from inplace_abn import _backend, _pure
 from reference import rel_err, stock
 
 
@@ -335,3 +337,48 @@ def test_positional_arguments_unchanged():
         1e-3, 0.2, "elu", 0.5, "signed")
     sync = InPlaceABNSync(4, 1e-3, 0.2, True, True, "elu", 0.5, None, "signed")
     assert sync.group is None and sync.weight_mode == "signed"
+
+
+# ---- pure SiLU inverse = native SiLU inverse ---------------------------------
+
+
+def _silu_z_and_fprime(ops, y, left):
+    """(z, f'(z)) that the backward recomputes from y and the branch bits, read
+    through backward_input with unit scale (eval form: dx = gz, or dx = xhat)."""
+    C = y.shape[1]
+    one, zero = torch.ones(C, dtype=y.dtype), torch.zeros(C, dtype=y.dtype)
+    mask = _pure.pack_bits(left)
+    fp, _ = ops.backward_input(y, torch.ones_like(y), mask, one, None, None, None, zero, zero, 1e-30, _A.SILU, 0.0,
+                               False, False)
+    z, _ = ops.backward_input(y, torch.zeros_like(y), mask, one, None, None, None, zero, -one, 1e-30, _A.SILU, 0.0,
+                              False, False)
+    return z, fp
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="compares against the native extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pure_silu_inverse_matches_native(dtype):
+    """Both backends run the inverse of src/activations.h: same branch rule,
+    same reading of y = +-0 (left: f underflowed, z at the clamp), same steps."""
+    ys = torch.tensor([0.0, -0.0, 0.0, -0.0], dtype=dtype).view(-1, 1)
+    left = torch.tensor([False, False, True, True]).view(-1, 1)
+    zn, fn = _silu_z_and_fprime(_backend.NATIVE, ys, left)
+    zp, fp = _silu_z_and_fprime(_pure, ys, left)
+    # The same operations on the same values: the same z, bit for bit, whatever the sign of zero.
+    assert torch.equal(zp, zn) and torch.equal(zp[0], zp[1]) and torch.equal(zp[2], zp[3])
+    assert torch.equal(fp[:2], torch.full((2, 1), 0.5, dtype=dtype)) and torch.equal(fn[:2], fp[:2])
+    # Left branch: f' = s (gp - gpp dz) at z near the clamp; exp may differ in its last bit.
+    ulp = torch.finfo(dtype).eps
+    assert ((fp[2:] - fn[2:]).abs() <= 4 * ulp * fn[2:].abs()).all() and (fn[2:] != 0).all()
+    # Near the minimum (ill-conditioned: z is good to ~sqrt(eps)) and across both branches.
+    z = torch.cat([torch.linspace(-1.4, -1.16, 2001, dtype=torch.float64),
+                   torch.linspace(-80.0, 20.0, 2001, dtype=torch.float64)])
+    y = (z * torch.sigmoid(z)).to(dtype).view(-1, 1)
+    y[:2] = _pure.SILU_YSTAR  # y* itself, on both branches
+    left = (z < _pure.SILU_ZSTAR).view(-1, 1)
+    left[:2, 0] = torch.tensor([True, False])
+    zn, fn = _silu_z_and_fprime(_backend.NATIVE, y, left)
+    zp, fp = _silu_z_and_fprime(_pure, y, left)
+    tol_z, tol_f = (2e-5, 4e-6) if dtype == torch.float32 else (1e-9, 1e-10)
+    assert ((zp - zn).abs() <= tol_z * zn.abs().clamp(min=1)).all()
+    assert ((fp - fn).abs() <= tol_f).all()
