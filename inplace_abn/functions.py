@@ -217,7 +217,7 @@ def _check_writable(x, residual, requires_grad):
     """Refuse, before anything is written, every input that autograd would
     refuse to see modified in place (it checks only after the write, when x is
     already lost), and inputs whose memory the write would corrupt."""
-    if torch._debug_has_internal_overlap(x) == 1:
+    if _layout_compatible(x) is None and torch._debug_has_internal_overlap(x) == 1:
         raise RuntimeError(
             "inplace_abn overwrites its input, but several elements of x share one memory location "
             "(an expand()ed or stride-0 tensor); pass x.contiguous() or x.clone()"
@@ -255,32 +255,34 @@ def _check_writable(x, residual, requires_grad):
         )
 
 
-def _byte_offsets(t):
-    """Start byte of every element of t in its storage (1-D int64)."""
-    off = torch.full((), t.storage_offset(), dtype=torch.int64)
+def _element_addresses(t, base):
+    """Address of every element of t minus ``base``, in bytes (1-D int64)."""
+    off = torch.full((), t.data_ptr() - base, dtype=torch.int64)
     for size, stride in zip(t.shape, t.stride()):
-        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-    return off.reshape(-1) * t.element_size()
+        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (stride * t.element_size())
+    return off.reshape(-1)
 
 
 def _shares_memory(a, b):
-    """Whether some byte of a is also a byte of b."""
+    """Whether some byte of a is also a byte of b (by address: storages are not compared)."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa.data_ptr() + sa.nbytes() <= sb.data_ptr() or sb.data_ptr() + sb.nbytes() <= sa.data_ptr():
+        return False  # the usual case, decided without looking at strides
 
     def extent(t):  # [first byte, one past the last byte); strides are >= 0
-        last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
     (a0, a1), (b0, b1) = extent(a), extent(b)
     if a1 <= b0 or b1 <= a0:
         return False
     if a.element_size() != b.element_size():
-        return True  # ranges overlap; element grids differ: assume they touch
-    # Same storage, interleaved ranges (e.g. x[::2] and x[1::2]): compare the elements themselves.
-    return bool(torch.isin(_byte_offsets(a), _byte_offsets(b)).any())
+        return True  # the ranges overlap and the element grids differ: assume they touch
+    # Interleaved ranges (e.g. x[::2] and x[1::2]): compare the elements themselves.
+    base = min(a0, b0)
+    return bool(torch.isin(_element_addresses(a, base), _element_addresses(b, base)).any())
 
 
 def _check_no_tangents(**tensors):
@@ -380,12 +382,23 @@ def inplace_abn(
         activation: ``identity``, ``leaky_relu``, ``elu``, ``silu``/``swish``
             (``relu`` works but saves no memory).
         activation_param: leaky_relu slope (> 0 to save memory) or elu alpha.
-        residual: optional tensor shaped like x added before the activation;
-            it receives the gradient dL/dz.
+        residual: optional tensor shaped like x added before the activation,
+            sharing no memory with x; it receives the gradient dL/dz.
         weight_mode: ``"abs"`` (default) or ``"signed"``.
 
     Returns:
-        x itself, holding the output.
+        x itself, holding the output. An empty batch (N = 0 or a spatial size
+        0) in training gives the empty output and leaves the running
+        statistics unchanged, as torch.nn.BatchNorm does.
+
+    Raises, before anything is written or updated: for an x that autograd
+    would not let an in-place op modify (a leaf or a view of a leaf that
+    requires grad, a view from split/unbind or made under no_grad, an
+    inference tensor outside inference mode), an x whose elements share
+    memory (expand()), a residual sharing memory with x, and any tensor
+    carrying a forward-mode AD tangent. The backward raises under
+    ``create_graph=True``: it is not differentiable (use `ABN` for double
+    backward, e.g. gradient penalties).
     """
     return _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
                   activation_param, residual, weight_mode, None)
@@ -423,7 +436,9 @@ def inplace_abn_sync(
     2C values (float64 for float64 inputs, else float32) per backward; the
     first training call of each layer adds one check of 4 values, after which
     ranks that disagree on C raise the same ValueError together. A global count
-    of one value per channel raises the same ValueError on every rank.
+    of one value per channel raises the same ValueError on every rank; a
+    global count of 0 (every rank empty) returns the empty outputs and leaves
+    the running statistics, as torch.nn.BatchNorm does.
     ``training=False`` runs no collective. Running statistics are updated with
     the global count (unbiased variance with n - 1 over all ranks), so they
     stay identical on every rank.
