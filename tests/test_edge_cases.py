@@ -304,6 +304,26 @@ def test_empty_batch_on_every_rank_synchronised(backend, world_of_one):
         inplace_abn_sync(torch.randn(1, 3), w, None, rm, rv, True, 0.1, 1e-5, "leaky_relu", 0.01)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_synchronised_layer_empty_and_refused_batches(backend, world_of_one, momentum):
+    """The module over a real process group: an empty batch behaves as
+    torch.nn.BatchNorm2d (counted, statistics kept); a refused one (global
+    count 1) changes nothing."""
+    layer, bn = InPlaceABNSync(3, momentum=momentum), nn.BatchNorm2d(3, momentum=momentum)
+    for m in (layer, bn):
+        m(torch.randn(4, 3, 2, 2) + 1)
+        m.running_mean.copy_(layer.running_mean)
+        m.running_var.copy_(layer.running_var)
+    x = torch.randn(0, 3, 2, 2)
+    assert layer(x.clone()).shape == bn(x).shape
+    for k in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(layer, k), getattr(bn, k)), k
+    before = _layer_state(layer)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        layer(torch.randn(1, 3, 1, 1))
+    _assert_same_state(before, layer)
+
+
 # ---- 11. factory kwargs ----------------------------------------------------
 
 
