@@ -200,9 +200,7 @@ def _check_args(x, weight, bias, running_mean, running_var, residual, training, 
             raise ValueError(f"inplace_abn: residual is on {residual.device} but the input is on {x.device}")
     _check_no_tangents(x=x, weight=weight, bias=bias, running_mean=running_mean, running_var=running_var,
                        residual=residual)
-    if not torch.compiler.is_compiling():
-        # Under torch.compile, AOTAutograd functionalizes the write and checks it itself.
-        _check_writable(x, residual, any(t is not None and t.requires_grad for t in (x, weight, bias, residual)))
+    _check_writable(x, residual, any(t is not None and t.requires_grad for t in (x, weight, bias, residual)))
 
 
 _VIEW_REFUSED = {
@@ -213,10 +211,26 @@ _VIEW_REFUSED = {
 }
 
 
+_RESIDUAL_SHARES_MEMORY = (
+    "inplace_abn overwrites its input, but residual shares memory with x: the write would destroy the residual "
+    "the backward needs (wrong gradients). Pass residual=x.clone() (or another tensor)")
+
+
+def _root(t):
+    return t if t._base is None else t._base
+
+
 def _check_writable(x, residual, requires_grad):
     """Refuse, before anything is written, every input that autograd would
     refuse to see modified in place (it checks only after the write, when x is
     already lost), and inputs whose memory the write would corrupt."""
+    if torch.compiler.is_compiling():
+        # Tracing has no addresses to compare, and AOTAutograd checks the write to
+        # x itself; a residual that views x's base (x[:5] and x[3:]) would come out
+        # of functionalization with wrong gradients: refuse it (conservatively).
+        if residual is not None and _root(x) is _root(residual):
+            raise RuntimeError(_RESIDUAL_SHARES_MEMORY)
+        return
     if _layout_compatible(x) is None and torch._debug_has_internal_overlap(x) == 1:
         raise RuntimeError(
             "inplace_abn overwrites its input, but several elements of x share one memory location "
@@ -225,10 +239,7 @@ def _check_writable(x, residual, requires_grad):
     if residual is not None and _shares_memory(x, residual):
         # Copying the residual would cost the memory the layer exists to save,
         # silently; refusing keeps that choice with the caller.
-        raise RuntimeError(
-            "inplace_abn overwrites its input, but residual shares memory with x: the write would destroy "
-            "the residual the backward needs (wrong gradients). Pass residual=x.clone() (or another tensor)"
-        )
+        raise RuntimeError(_RESIDUAL_SHARES_MEMORY)
     if x.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(
             "inplace_abn overwrites its input, but x is an inference tensor (created under "
