@@ -14,7 +14,6 @@ from . import _activation as A
 
 SILU_ZSTAR = -1.2784645427610738
 SILU_YSTAR = -0.2784645427610738
-SILU_CURV = 0.2178117057198001
 
 
 acc_dtype = A.acc_dtype
@@ -79,37 +78,87 @@ def forward_act(z, act, p):
     return z * torch.sigmoid(z)
 
 
-def _silu_inverse(y, left):
-    tiny = 1e-30 if y.dtype != torch.float64 else 1e-300
-    iters = 3 if y.dtype == torch.float64 else 2
-    zs = SILU_ZSTAR
-    y = y.clamp(min=SILU_YSTAR)
-    d = torch.sqrt((2.0 / SILU_CURV * (y - SILU_YSTAR)).clamp(min=0))
-    t = torch.log((-y).clamp(min=tiny))
-    zf = t - torch.log((-t).clamp(min=1.0))
-    near = y < -0.2
-    zl = torch.where(near, zs - d, torch.minimum(zs - d, zf))
-    zr = torch.where(y >= 0, torch.maximum(zs + d, y), zs + d)
-    z = torch.where(left, zl, zr)
-    uselog = left & ~near
-    for _ in range(iters):
-        s = torch.sigmoid(z)
-        one_s = 1 - s
-        g = z * s - y
-        gp = s * (1 + z * one_s)
-        gpp = s * one_s * (2 + z * (1 - 2 * s))
-        zneg = z.clamp(max=-tiny)
-        h = torch.log(-zneg) + torch.log(s.clamp(min=tiny)) - t
-        hp = 1 / zneg + one_s
-        hpp = -1 / (zneg * zneg) - s * one_s
-        g = torch.where(uselog, h, g)
-        gp = torch.where(uselog, hp, gp)
-        gpp = torch.where(uselog, hpp, gpp)
-        den = gp * gp - 0.5 * g * gpp
-        den = torch.where(den.abs() < tiny, torch.full_like(den, tiny), den)
-        z = z - g * gp / den
-        z = torch.where(left, z.clamp(max=zs), z.clamp(min=zs))
-    return z
+# SiLU inverse: the algorithm of Activation<Act::Silu> in src/activations.h,
+# step for step and in the same precision (float32 for every dtype but
+# float64), so both backends read y, its sign bit and the branch bit the same
+# way and differ only by the last bits of exp / log / reciprocal (docs/DESIGN.md
+# section 3). The polynomial coefficients are those of activations.h.
+_SILU_P_RIGHT = (-0.0043686086494414723, 0.062003737048004402, -0.36262603785051117, 1.1115199507157363,
+                 -1.9551651604062918, 2.3944104373567097, -2.0065284169598572, 3.0292001880235917)
+_SILU_P_LEFT = (-2456.5751156132851, 2846.9829655336471, -1371.8111195864028, 319.24391719304128,
+                -44.01896125413203, -0.55674147407820462, -2.1119491106932879, -3.0300407982908322)
+_SILU_P_MID = (-6.6388539923139274e-06, 2.3622421356503015e-05, -1.2901139011804238e-05, 9.4744024228088976e-05,
+               -0.00079536020730284172, 0.0036689775722755966, -0.020607534197272181, 0.18296765133101114,
+               1.874256446353217)
+_SILU_P_TAIL = (-1.4676309751270514e-05, 5.055591860745925e-05, 8.1898479707041648e-05, -0.0002393719920013013,
+                -0.00040097981410288264, -0.0019697637817100858, 0.0201733419042236, 0.93583540482163208,
+                3.8116962991303072)
+
+
+def _horner(u, coefs):
+    """coefs[0] u^k + ... + coefs[k], as the fma chains of activations.h (numbers or per-lane tensors)."""
+    p = u * coefs[0] + coefs[1]
+    for c in coefs[2:]:
+        p = u * p + c
+    return p
+
+
+def _silu_zmin(dtype):
+    """Lowest z the left branch returns (e^-z finite): zmin() of activations.h."""
+    return -700.0 if dtype == torch.float64 else -87.0
+
+
+def _silu_guess(y, left):
+    """Initial guess of activations.h (y >= y* already); returns (z, d = sqrt(y - y*))."""
+
+    def pick(r, l):  # per lane: l on the left branch, r on the right, in y's dtype
+        return torch.where(left, torch.full_like(y, l), torch.full_like(y, r))
+
+    d = torch.sqrt(y - SILU_YSTAR)
+    # z* + d P(d), P_R on the right branch (d <= sqrt(8 - y*)), P_L on the left (d <= sqrt(-0.1 - y*))
+    dd = torch.minimum(d, pick(2.8772320974785948, 0.4224506394374067))
+    z = _horner(dd, [pick(r, l) for r, l in zip(_SILU_P_RIGHT, _SILU_P_LEFT)] + [SILU_ZSTAR])
+    z = torch.where(y > 8.0, y, z)  # right branch, y > 8: z = y
+    # left tail, y > -0.1: v = -log(-y), -z = v + P_M(v) (v <= 7) or v + P_T(log v)
+    tail = left & (y > -0.1)
+    v = -torch.log(torch.clamp(0.0 - y, min=torch.finfo(y.dtype).tiny))
+    zt = -(v + _horner(torch.clamp(v, max=7.0) - 4.6512925464970225, _SILU_P_MID))
+    lg = torch.clamp(torch.log(torch.clamp(v, min=2.302585092994046)) - 3.7237083318137576, max=2.889675886565802)
+    zt = torch.where(tail & (v > 7.0), -(v + _horner(lg, _SILU_P_TAIL)), zt)
+    return torch.where(tail, torch.clamp(zt, min=_silu_zmin(y.dtype)), z), d
+
+
+def _silu_inverse_deriv(y, left):
+    """z = f^-1(y) on the branch ``left`` (bool) and f'(z), as Activation<Silu>::inverse_deriv.
+
+    y of any floating dtype; computed in its accumulation dtype and returned in it.
+    """
+    y = y.to(A.acc_dtype(y.dtype))
+    single = y.dtype != torch.float64
+    # max(y, y*) as activations.h writes it (y > y* ? y : y*): keeps -0.0
+    y = torch.where(y > SILU_YSTAR, y, torch.full_like(y, SILU_YSTAR))
+    z, d = _silu_guess(y, left)
+    # No Halley step within d_skip of y*, where the guess is already within the conditioning error.
+    skip = d < (1e-2 if single else 1e-7)
+    iters = 1 if single else 2
+    for i in range(iters):
+        e = torch.exp(-z)
+        q = 1.0 + e
+        s = 1.0 / q
+        oms = e * s  # 1 - s, accurate when s -> 1
+        g = z - y * q
+        gp = z * oms + 1.0
+        gpp = oms * (z * (-2.0 * s + 1.0) + 2.0)
+        den = (-0.5 * g) * gpp + gp * gp
+        dz = torch.where(skip, torch.zeros_like(z), g * gp * (1.0 / den))
+        if i + 1 < iters:
+            zn = torch.clamp(z - dz, min=_silu_zmin(y.dtype))  # e^-z must stay finite for the next step
+            dz = z - zn
+            z = zn
+        else:
+            z = z - dz
+    # f'(z - dz) = f'(z) - f''(z) dz, with f' = s gp, f'' = s gpp
+    return z, s * (gp - gpp * dz)
 
 
 def inverse_act(y, left, act, p):
@@ -120,7 +169,7 @@ def inverse_act(y, left, act, p):
     if act == A.ELU:
         tiny = 1e-7 if y.dtype != torch.float64 else 1e-16
         return torch.where(y >= 0, y, torch.log1p((y / p).clamp(min=-1 + tiny, max=0)))
-    return _silu_inverse(y.double(), left).to(y.dtype)
+    return _silu_inverse_deriv(y, left)[0].to(y.dtype)
 
 
 def deriv_act(y, z, act, p):
@@ -172,9 +221,11 @@ def _recompute(y, mask, weight, bias, residual, eps, act, p, signed):
     C, nd = y.shape[1], y.dim()
     g, b = _coefficients(weight, bias, eps, signed, C, acc, y.device)
     ya = y.to(acc)
-    left = unpack_bits(mask, y) if act == A.SILU else None
-    z = inverse_act(ya, left, act, p)
-    fp = deriv_act(ya, z, act, p)
+    if act == A.SILU:  # z and f'(z) from one Halley iteration, as the native kernels
+        z, fp = _silu_inverse_deriv(ya, unpack_bits(mask, y))
+    else:
+        z = inverse_act(ya, None, act, p)
+        fp = deriv_act(ya, z, act, p)
     if residual is not None:
         z = z - residual.to(acc)
     xhat = (z - _per_channel(b, nd)) / _per_channel(g, nd)

@@ -27,6 +27,9 @@ class ABN(nn.Module):
             are used in eval mode too).
         activation: ``identity``, ``relu``, ``leaky_relu``, ``elu``, ``silu``/``swish``.
         activation_param: leaky_relu slope or elu alpha.
+        device, dtype (keyword only): where and in which dtype the parameters
+            and running statistics are created, as for torch.nn.BatchNorm2d
+            (``device="meta"`` for deferred initialisation).
     """
 
     _version = 2
@@ -40,9 +43,13 @@ class ABN(nn.Module):
         track_running_stats: bool = True,
         activation: str = "leaky_relu",
         activation_param: float = 0.01,
+        *,
+        device=None,
+        dtype=None,
     ):
         super().__init__()
         _activation.check(activation, activation_param)
+        factory_kwargs = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps
         self.momentum = momentum
@@ -51,15 +58,15 @@ class ABN(nn.Module):
         self.activation = activation
         self.activation_param = activation_param
         if affine:
-            self.weight = nn.Parameter(torch.empty(num_features))
-            self.bias = nn.Parameter(torch.empty(num_features))
+            self.weight = nn.Parameter(torch.empty(num_features, **factory_kwargs))
+            self.bias = nn.Parameter(torch.empty(num_features, **factory_kwargs))
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
         if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros(num_features))
-            self.register_buffer("running_var", torch.ones(num_features))
-            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory_kwargs))
+            self.register_buffer("running_var", torch.ones(num_features, **factory_kwargs))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
         else:
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
@@ -78,15 +85,28 @@ class ABN(nn.Module):
             nn.init.ones_(self.weight)
             nn.init.zeros_(self.bias)
 
-    def _momentum_and_training(self):
-        """(momentum, use batch statistics), counting the batch as torch.nn.BatchNorm does."""
+    def _counts_batch(self) -> bool:
+        return self.training and self.track_running_stats and self.num_batches_tracked is not None
+
+    def _momentum_and_training(self, count: bool = True):
+        """(momentum, use batch statistics) for this call, as torch.nn.BatchNorm computes them.
+
+        ``count=True`` also counts the batch now, as torch.nn.BatchNorm does.
+        The layers here pass ``count=False`` and call `_count_batch` once the
+        layer has run, so that an input the layer refuses leaves
+        num_batches_tracked, like the running statistics, as it was.
+        """
         momentum = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                momentum = 1.0 / float(self.num_batches_tracked)
+        if self._counts_batch() and self.momentum is None:
+            momentum = 1.0 / float(self.num_batches_tracked + 1)
+        if count:
+            self._count_batch()
         training = self.training or self.running_mean is None
         return momentum, training
+
+    def _count_batch(self) -> None:
+        if self._counts_batch():
+            self.num_batches_tracked.add_(1)
 
     def _running_stats(self):
         if self.training and not self.track_running_stats:
@@ -94,9 +114,10 @@ class ABN(nn.Module):
         return self.running_mean, self.running_var
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        momentum, training = self._momentum_and_training()
+        momentum, training = self._momentum_and_training(count=False)
         running_mean, running_var = self._running_stats()
         x = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training, momentum, self.eps)
+        self._count_batch()
         return self._activate(x)
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,11 +126,15 @@ class ABN(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # Checkpoints of the original library before its version 2 have no num_batches_tracked.
+        # Checkpoints of the original library before its version 2 have no
+        # num_batches_tracked: keep the layer's own count (0 for a new layer), as
+        # torch.nn.modules.batchnorm._NormBase does; 0 on the meta device.
         version = local_metadata.get("version", None)
         key = prefix + "num_batches_tracked"
         if (version is None or version < 2) and self.track_running_stats and key not in state_dict:
-            state_dict[key] = torch.tensor(0, dtype=torch.long)
+            current = self.num_batches_tracked
+            keep = current is not None and current.device != torch.device("meta")
+            state_dict[key] = current if keep else torch.tensor(0, dtype=torch.long)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -149,17 +174,23 @@ class InPlaceABN(ABN):
         activation: str = "leaky_relu",
         activation_param: float = 0.01,
         weight_mode: str = "abs",
+        *,
+        device=None,
+        dtype=None,
     ):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
+                         device=device, dtype=dtype)
         if weight_mode not in WEIGHT_MODES:
             raise ValueError(f"weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
         self.weight_mode = weight_mode
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        momentum, training = self._momentum_and_training()
+        momentum, training = self._momentum_and_training(count=False)
         running_mean, running_var = self._running_stats()
-        return inplace_abn(x, self.weight, self.bias, running_mean, running_var, training, momentum, self.eps,
-                           self.activation, self.activation_param, residual=residual, weight_mode=self.weight_mode)
+        y = inplace_abn(x, self.weight, self.bias, running_mean, running_var, training, momentum, self.eps,
+                        self.activation, self.activation_param, residual=residual, weight_mode=self.weight_mode)
+        self._count_batch()
+        return y
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
@@ -191,9 +222,12 @@ class InPlaceABNSync(InPlaceABN):
         activation_param: float = 0.01,
         group: Optional[Any] = None,
         weight_mode: str = "abs",
+        *,
+        device=None,
+        dtype=None,
     ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
-                         weight_mode)
+                         weight_mode, device=device, dtype=dtype)
         self.group = group
 
     def set_group(self, group: Optional[Any]) -> None:
@@ -205,8 +239,10 @@ class InPlaceABNSync(InPlaceABN):
             # Eval never synchronises (like torch.nn.SyncBatchNorm), so validation on a
             # subset of ranks cannot hang, even with track_running_stats=False.
             return super().forward(x, residual)
-        momentum, training = self._momentum_and_training()
+        momentum, training = self._momentum_and_training(count=False)
         running_mean, running_var = self._running_stats()
-        return inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
-                                self.eps, self.activation, self.activation_param, self.group, residual=residual,
-                                weight_mode=self.weight_mode)
+        y = inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
+                             self.eps, self.activation, self.activation_param, self.group, residual=residual,
+                             weight_mode=self.weight_mode)
+        self._count_batch()
+        return y

@@ -38,7 +38,12 @@ def _like_layout(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def update_running_stats(mean, var, count, running_mean, running_var, momentum, shape, synced):
     """Check that training has more than one value per channel (``count``, over
     the group when ``synced``), then move the running statistics towards the
-    batch mean and unbiased variance, as torch.nn.BatchNorm does."""
+    batch mean and unbiased variance, as torch.nn.BatchNorm does.
+
+    An empty batch (count 0) leaves them as they are, as torch.nn.BatchNorm
+    does (it returns an empty output and zero parameter gradients)."""
+    if count == 0:
+        return
     if count <= 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {count} "
@@ -102,8 +107,23 @@ class _InPlaceABNFunction(torch.autograd.Function):
         return x
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        if torch.is_grad_enabled():
+            # Grad mode is on inside backward only under create_graph=True. The
+            # backward below is written with the native kernels and is not itself
+            # differentiable; once_differentiable alone would let a loss linear in
+            # y (dy needs no grad) through with a constant input gradient, and
+            # the second derivative would be silently dropped.
+            raise RuntimeError(
+                "inplace_abn does not support double backward (create_graph=True, e.g. a gradient "
+                "penalty): its backward is not differentiable, so second derivatives would be wrong. "
+                "Use the non-in-place ABN layer (BatchNorm + activation) where second derivatives are needed"
+            )
+        return _InPlaceABNFunction._backward(ctx, dy)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def _backward(ctx, dy):
         y, var, weight, bias, residual, mask = ctx.saved_tensors
         training, eps, act, p, signed, group, count, invertible, dtype = ctx.config
         ops = _backend.ops_for(y)
@@ -178,11 +198,114 @@ def _check_args(x, weight, bias, running_mean, running_var, residual, training, 
             )
         if residual.device != x.device:
             raise ValueError(f"inplace_abn: residual is on {residual.device} but the input is on {x.device}")
-    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+    _check_no_tangents(x=x, weight=weight, bias=bias, running_mean=running_mean, running_var=running_var,
+                       residual=residual)
+    _check_writable(x, residual, any(t is not None and t.requires_grad for t in (x, weight, bias, residual)))
+
+
+_VIEW_REFUSED = {
+    "MULTI_OUTPUT_NODE": "a view returned by a function with several view outputs (split, unbind, chunk)",
+    "NO_GRAD_MODE": "a view created under torch.no_grad()",
+    "INFERENCE_MODE": "a view created under torch.inference_mode()",
+    "IN_CUSTOM_FUNCTION": "a view created inside a custom autograd.Function",
+}
+
+
+_RESIDUAL_SHARES_MEMORY = (
+    "inplace_abn overwrites its input, but residual shares memory with x: the write would destroy the residual "
+    "the backward needs (wrong gradients). Pass residual=x.clone() (or another tensor)")
+
+
+def _root(t):
+    return t if t._base is None else t._base
+
+
+def _check_writable(x, residual, requires_grad):
+    """Refuse, before anything is written, every input that autograd would
+    refuse to see modified in place (it checks only after the write, when x is
+    already lost), and inputs whose memory the write would corrupt."""
+    if torch.compiler.is_compiling():
+        # Tracing has no addresses to compare, and AOTAutograd checks the write to
+        # x itself; a residual that views x's base (x[:5] and x[3:]) would come out
+        # of functionalization with wrong gradients: refuse it (conservatively).
+        if residual is not None and _root(x) is _root(residual):
+            raise RuntimeError(_RESIDUAL_SHARES_MEMORY)
+        return
+    if _layout_compatible(x) is None and torch._debug_has_internal_overlap(x) == 1:
+        raise RuntimeError(
+            "inplace_abn overwrites its input, but several elements of x share one memory location "
+            "(an expand()ed or stride-0 tensor); pass x.contiguous() or x.clone()"
+        )
+    if residual is not None and _shares_memory(x, residual):
+        # Copying the residual would cost the memory the layer exists to save,
+        # silently; refusing keeps that choice with the caller.
+        raise RuntimeError(_RESIDUAL_SHARES_MEMORY)
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "inplace_abn overwrites its input, but x is an inference tensor (created under "
+            "torch.inference_mode()) and this call is outside inference mode; pass x.clone()"
+        )
+    if not (requires_grad and torch.is_grad_enabled()):
+        return
+    if x._is_view():
+        meta = torch._C._autograd._get_creation_meta(x).name
+        if meta in _VIEW_REFUSED:
+            raise RuntimeError(
+                f"inplace_abn overwrites its input, but x is {_VIEW_REFUSED[meta]}, which autograd does not "
+                "allow to be modified in place; pass x.clone()"
+            )
+        if x.requires_grad and x._base.is_leaf:
+            raise RuntimeError(
+                "inplace_abn overwrites its input, but x is a view of a leaf tensor that requires grad; "
+                "pass x.clone() or use the non-in-place ABN layer"
+            )
+    if x.requires_grad and x.is_leaf:
         raise RuntimeError(
             "inplace_abn overwrites its input, but x is a leaf tensor that requires grad; "
             "pass x.clone() or use the non-in-place ABN layer"
         )
+
+
+def _element_addresses(t, base):
+    """Address of every element of t minus ``base``, in bytes (1-D int64)."""
+    off = torch.full((), t.data_ptr() - base, dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (stride * t.element_size())
+    return off.reshape(-1)
+
+
+def _shares_memory(a, b):
+    """Whether some byte of a is also a byte of b (by address: storages are not compared)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa.data_ptr() + sa.nbytes() <= sb.data_ptr() or sb.data_ptr() + sb.nbytes() <= sa.data_ptr():
+        return False  # the usual case, decided without looking at strides
+
+    def extent(t):  # [first byte, one past the last byte); strides are >= 0
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.element_size() != b.element_size():
+        return True  # the ranges overlap and the element grids differ: assume they touch
+    # Interleaved ranges (e.g. x[::2] and x[1::2]): compare the elements themselves.
+    base = min(a0, b0)
+    return bool(torch.isin(_element_addresses(a, base), _element_addresses(b, base)).any())
+
+
+def _check_no_tangents(**tensors):
+    """Forward-mode AD (torch.autograd.forward_ad) is not supported: refuse any dual tensor."""
+    if torch.autograd.forward_ad._current_level < 0:  # no dual level entered: no tangents anywhere
+        return
+    for name, t in tensors.items():
+        if t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(
+                f"inplace_abn does not support forward-mode AD (torch.autograd.forward_ad): {name} carries a "
+                "tangent, which the in-place write would leave stale. Use the non-in-place ABN layer"
+            )
 
 
 def _standard_ops(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
@@ -270,12 +393,23 @@ def inplace_abn(
         activation: ``identity``, ``leaky_relu``, ``elu``, ``silu``/``swish``
             (``relu`` works but saves no memory).
         activation_param: leaky_relu slope (> 0 to save memory) or elu alpha.
-        residual: optional tensor shaped like x added before the activation;
-            it receives the gradient dL/dz.
+        residual: optional tensor shaped like x added before the activation,
+            sharing no memory with x; it receives the gradient dL/dz.
         weight_mode: ``"abs"`` (default) or ``"signed"``.
 
     Returns:
-        x itself, holding the output.
+        x itself, holding the output. An empty batch (N = 0 or a spatial size
+        0) in training gives the empty output and leaves the running
+        statistics unchanged, as torch.nn.BatchNorm does.
+
+    Raises, before anything is written or updated: for an x that autograd
+    would not let an in-place op modify (a leaf or a view of a leaf that
+    requires grad, a view from split/unbind or made under no_grad, an
+    inference tensor outside inference mode), an x whose elements share
+    memory (expand()), a residual sharing memory with x, and any tensor
+    carrying a forward-mode AD tangent. The backward raises under
+    ``create_graph=True``: it is not differentiable (use `ABN` for double
+    backward, e.g. gradient penalties).
     """
     return _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
                   activation_param, residual, weight_mode, None)
@@ -313,7 +447,9 @@ def inplace_abn_sync(
     2C values (float64 for float64 inputs, else float32) per backward; the
     first training call of each layer adds one check of 4 values, after which
     ranks that disagree on C raise the same ValueError together. A global count
-    of one value per channel raises the same ValueError on every rank.
+    of one value per channel raises the same ValueError on every rank; a
+    global count of 0 (every rank empty) returns the empty outputs and leaves
+    the running statistics, as torch.nn.BatchNorm does.
     ``training=False`` runs no collective. Running statistics are updated with
     the global count (unbiased variance with n - 1 over all ranks), so they
     stay identical on every rank.
