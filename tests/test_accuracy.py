@@ -177,3 +177,42 @@ def test_half_precision_small_gamma_is_the_floor(backend, activation, dtype):
     case = small_gamma_case((8, 4, 6, 6), dtype, seed=seed_of("small_gamma", activation, dtype))
     err, stock_err, floor_err = check(case, "4d", activation, "abs")
     assert floor_err["dw"] > 20 * stock_err["dw"], (floor_err, stock_err)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("alpha", [1.0, 0.8])
+@pytest.mark.parametrize("data", ["channel_means_1e3_gamma_x2", "gamma_x3"])
+def test_elu_saturated_half_output_is_the_floor(backend, data, alpha, dtype):
+    """ELU where alpha (e^z - 1) rounds onto or past -alpha in the half-precision
+    output (z below about -6 in bfloat16, -8 in float16): such a y has no
+    preimage. It used to be read as z = log(1e-7) = -16, far below where the
+    store saturates (and f'(z) = y + alpha <= 0), which put dx at 4-9x the
+    floor; now within 2x of the floor (docs/DESIGN.md section 5)."""
+    shape = (8, 16, 14, 14)
+    seed = seed_of("elu_saturated", data, alpha, dtype)
+    means = torch.full((shape[1],), 1e3, dtype=torch.float64) if data.startswith("channel_means") else None
+    case = make_case(shape, dtype, seed=seed, channel_means=means)
+    case["w"] = case["w"] * float(data[-1])
+    ours = run(case, "ours", torch.contiguous_format, True, "elu", "signed", False, param=alpha)
+    # outputs at the flat end: -alpha rounded to the dtype (past -alpha in
+    # bfloat16 for alpha = 0.8, onto it for 1.0; float16 rounds 0.8 down, and
+    # that y has a preimage)
+    assert (ours["y"] == torch.tensor(-alpha).to(dtype)).any(), "the case must reach the flat end"
+    check(case, "4d", "elu", "signed", param=alpha)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_elu_saturated_full_precision_output_stays_above_minus_alpha(backend, dtype):
+    """The forward keeps expm1(z) one ulp above -1, so a float32/float64 output
+    never reaches -alpha (only a half-precision store can, which the backward
+    reads as saturated) and z far down the tail is recovered below the
+    storage's own saturation point."""
+    z = torch.tensor([-200.0, -60.0, -40.0, -20.0, -17.0], dtype=torch.float64)
+    for alpha in (1.0, 0.8, 0.5, 2.0):
+        # a one-channel batch whose BatchNorm output is z (beta = mean of z, gamma = std)
+        x = z.to(dtype).view(-1, 1).clone()
+        var, mean = torch.var_mean(z, correction=0)
+        y = functions.inplace_abn(x, torch.tensor([(var + 1e-5).sqrt().item() - 1e-5], dtype=dtype),
+                           torch.tensor([mean.item()], dtype=dtype), None, None, True, 0.1, 1e-5, "elu", alpha,
+                           weight_mode="signed")
+        assert bool((y > -alpha).all()), (alpha, y)
