@@ -18,9 +18,10 @@ ULP = {torch.float32: 1.2e-7, torch.bfloat16: 7.8e-3, torch.float16: 9.8e-4}
 HALF = (torch.bfloat16, torch.float16)
 PARAM_GRADS = ("dw", "db", "dr")
 GRADS = ("dx",) + PARAM_GRADS
-# Largest float32 error on ordinary data (SiLU: dx and the parameter gradients).
+# Largest float32 error on ordinary data. SiLU: the worst single case of
+# test_silu_float32_error_distribution, for y and dx / the parameter gradients.
 F32_ORDINARY = 1e-5
-SILU_F32_DX, SILU_F32_PARAMS = 5e-6, 5e-5
+SILU_F32_DX, SILU_F32_PARAMS = 2.5e-5, 4e-5
 
 
 def bounds(dtype, activation, stock_err, floor_err=None, ordinary=True):
@@ -216,3 +217,45 @@ def test_elu_saturated_full_precision_output_stays_above_minus_alpha(backend, dt
                            torch.tensor([mean.item()], dtype=dtype), None, None, True, 0.1, 1e-5, "elu", alpha,
                            weight_mode="signed")
         assert bool((y > -alpha).all()), (alpha, y)
+
+
+# SiLU float32 on ordinary data, per output (dx; dw and db together): the
+# median, 99th percentile and worst norm-wise relative error over a sweep of
+# tensors with at most 66 values per channel ("small") and at least 1568
+# ("large"). A small tensor's error is dominated by single elements near the
+# minimum z*, where recovering z from y is ill-conditioned (docs/DESIGN.md
+# section 3). Measured, native / pure, on this sweep: small dx median
+# 3.2e-7 / 2.3e-7, p99 7.2e-6 / 5.8e-6, worst 1.9e-5 / 1.3e-5; parameters p99
+# 1.0e-5 / 6.4e-6, worst 2.4e-5 / 1.2e-5; large dx median 9.9e-7 / 6.5e-7,
+# worst 1.8e-6; stock dx at most 1.9e-7. On 2.5x as many seeds the worst
+# small case reached 2.1e-5 (dx) and 3.3e-5 (parameters): SILU_F32_DX and
+# SILU_F32_PARAMS, the per-case bounds.
+SILU_F32_SWEEP = {
+    "small": dict(shapes=[(64, 6), (6, 5, 11), (3, 4, 3, 5, 4), (4, 5, 6, 7)], seeds=100,
+                  dx=(5e-7, 1e-5, SILU_F32_DX), params=(5e-7, 1.5e-5, SILU_F32_PARAMS)),
+    "large": dict(shapes=[(8, 16, 14, 14), (2, 3, 32, 32), (32, 8, 8, 8)], seeds=10,
+                  dx=(1.5e-6, 1e-5, 1e-5), params=(1.5e-6, 1e-5, 2e-5)),
+}
+
+
+@pytest.mark.parametrize("size", list(SILU_F32_SWEEP))
+def test_silu_float32_error_distribution(backend, size):
+    """The README's SiLU float32 figures: every case of the sweep (both weight
+    modes, training and eval, with and without a residual) is run; the median,
+    99th percentile and worst errors stay within the stated bounds."""
+    sweep = SILU_F32_SWEEP[size]
+    fmt = torch.contiguous_format
+    errs = {"dx": [], "params": []}
+    for shape in sweep["shapes"]:
+        for seed in range(sweep["seeds"]):
+            weight_mode, training, with_residual = ["abs", "signed"][seed % 2], seed % 5 != 4, seed % 3 == 2
+            case = make_case(shape, torch.float32, seed=20000 + seed)
+            args = (fmt, training, "silu", weight_mode, with_residual)
+            err = errors(run(case, "ours", *args), run(case, "stock", *args, dtype=torch.float64))
+            errs["dx"].append(err["dx"])
+            errs["params"] += [err["dw"], err["db"]]
+    for k, (median, p99, worst) in ((k, sweep[k]) for k in errs):
+        t = torch.tensor(errs[k], dtype=torch.float64)
+        got = [t.median().item(), torch.quantile(t, 0.99).item(), t.max().item()]
+        assert got[0] <= median and got[1] <= p99 and got[2] <= worst, (
+            f"{k}: median, p99, worst {got} above {(median, p99, worst)}")
