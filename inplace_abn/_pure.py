@@ -68,13 +68,28 @@ def unpack_bits(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 # ---- element-wise math (mirrors src/activations.h) -------------------------
 
 
+# ELU, as Activation<Act::Elu> in src/activations.h: the forward keeps
+# expm1(z) one ulp above -1, so an output stored in float32 or float64 stays
+# above -alpha. A y below the forward's least output (y <= -alpha) was rounded
+# there by a half-precision store and has no preimage: it is read as
+# e^z = 2^-11, between bfloat16's saturation (e^z < 2^-9) and float16's
+# (e^z < 2^-12), which the backward cannot tell apart (docs/DESIGN.md section 5).
+_ELU_MIN_EXPM1 = {torch.float32: -1 + 2.0**-24, torch.float64: -1 + 2.0**-53}
+_ELU_SATURATED_EXPM1 = 2.0**-11 - 1
+
+
+def _elu_unsaturate(y, p):
+    least = p * torch.full((), _ELU_MIN_EXPM1[y.dtype], dtype=y.dtype, device=y.device)
+    return torch.where(y < least, p * _ELU_SATURATED_EXPM1, y)
+
+
 def forward_act(z, act, p):
     if act == A.IDENTITY:
         return z
     if act == A.LEAKY_RELU:
         return torch.where(z >= 0, z, z * p)
     if act == A.ELU:
-        return torch.where(z >= 0, z, p * torch.expm1(z.clamp(max=0)))
+        return torch.where(z >= 0, z, p * torch.expm1(z.clamp(max=0)).clamp(min=_ELU_MIN_EXPM1[z.dtype]))
     return z * torch.sigmoid(z)
 
 
@@ -165,10 +180,9 @@ def inverse_act(y, left, act, p):
     if act == A.IDENTITY:
         return y
     if act == A.LEAKY_RELU:
-        return torch.where(y >= 0, y, y / p)
+        return torch.where(torch.signbit(y), y / p, y)
     if act == A.ELU:
-        tiny = 1e-7 if y.dtype != torch.float64 else 1e-16
-        return torch.where(y >= 0, y, torch.log1p((y / p).clamp(min=-1 + tiny, max=0)))
+        return torch.where(torch.signbit(y), torch.log1p(_elu_unsaturate(y, p) / p), y)
     return _silu_inverse_deriv(y, left)[0].to(y.dtype)
 
 
@@ -176,9 +190,9 @@ def deriv_act(y, z, act, p):
     if act == A.IDENTITY:
         return torch.ones_like(y)
     if act == A.LEAKY_RELU:
-        return torch.where(y >= 0, torch.ones_like(y), torch.full_like(y, p))
+        return torch.where(torch.signbit(y), torch.full_like(y, p), torch.ones_like(y))
     if act == A.ELU:
-        return torch.where(y >= 0, torch.ones_like(y), y + p)
+        return torch.where(torch.signbit(y), _elu_unsaturate(y, p) + p, torch.ones_like(y))
     s = torch.sigmoid(z)
     return s * (1 + z * (1 - s))
 

@@ -121,20 +121,26 @@ struct Activation<Act::LeakyRelu, M> {
 template <class M>
 struct Activation<Act::Elu, M> {
   using T = typename M::T;
+  // expm1(z) is kept one ulp above -1, so a float32 or float64 output stays
+  // above -a and only a half-precision store can round y onto or past -a.
   static IABN_HD T forward(T z, T a) {
-    return M::if_nonneg(z, z, a * M::expm1(M::min(z, M::c(0.0))));
+    return M::if_nonneg(z, z, a * M::max(M::expm1(M::min(z, M::c(0.0))), M::c(kMinExpm1())));
   }
-  // y/a is clamped above -1 so log1p stays finite when exp(z) underflowed.
-  static IABN_HD T inverse(T y, T, T a) {
-    T u = M::max(y / a, M::c(-1.0) + M::c(kTiny()));
-    return M::if_signbit(y, M::log1p(M::min(u, M::c(0.0))), y);
+  // A y below the forward's least output a * kMinExpm1 (y <= -a) has no
+  // preimage: its z lies below the store's saturation point (e^z < 2^-9 in
+  // bfloat16, 2^-12 in float16), which this code cannot see, so such a y is
+  // read as e^z = 2^-11 (docs/DESIGN.md section 5). NaN passes through.
+  static IABN_HD T unsaturate(T y, T a) {
+    return M::if_less(y, a * M::c(kMinExpm1()), a * M::c(0.00048828125 - 1.0), y);
   }
-  static IABN_HD T deriv(T y, T, T a) { return M::if_signbit(y, y + a, M::c(1.0)); }
+  static IABN_HD T inverse(T y, T, T a) { return M::if_signbit(y, M::log1p(unsaturate(y, a) / a), y); }
+  static IABN_HD T deriv(T y, T, T a) { return M::if_signbit(y, unsaturate(y, a) + a, M::c(1.0)); }
   static IABN_HD T inverse_deriv(T y, T left, T a, T& d) {
     d = deriv(y, y, a);
     return inverse(y, left, a);
   }
-  static IABN_HD double kTiny() { return IsSingle<M>::value ? 1e-7 : 1e-16; }
+  // -1 + 2^-24 (float), -1 + 2^-53 (double)
+  static IABN_HD double kMinExpm1() { return IsSingle<M>::value ? -1.0 + 5.9604644775390625e-08 : -1.0 + 1.1102230246251565e-16; }
 };
 
 // SiLU f(z) = z * sigmoid(z). Not monotone: the forward records the branch

@@ -4,7 +4,7 @@ rounded values (so input rounding is not counted as error)."""
 import torch
 
 from inplace_abn import functions
-from reference import rel_err, stock
+from reference import inplace_floor, rel_err, stock
 
 LAYOUTS = {
     # name: (shape, memory format)
@@ -39,16 +39,17 @@ def make_case(shape, dtype, seed=0, mean_scale=1.0, std=1.0, channel_means=None)
 
 
 def run(case, fn, memory_format, training, activation, weight_mode, with_residual, dtype=None,
-        momentum=0.1, eps=1e-5):
+        momentum=0.1, eps=1e-5, param=None):
     """Forward+backward of fn ("ours" or "stock") on the case, in the case's dtype
-    (or promoted to float64 when dtype is given). Returns outputs, grads, running stats."""
+    (or promoted to float64 when dtype is given), with the activation parameter
+    ``param`` (default PARAM[activation]). Returns outputs, grads, running stats."""
     conv = (lambda t: t.to(dtype, copy=True)) if dtype is not None else (lambda t: t.clone())
     x0 = conv(case["x"]).contiguous(memory_format=memory_format).requires_grad_()
     w = conv(case["w"]).requires_grad_()
     b = conv(case["b"]).requires_grad_()
     r = conv(case["residual"]).contiguous(memory_format=memory_format).requires_grad_() if with_residual else None
     rm, rv = conv(case["rm"]), conv(case["rv"])
-    p = PARAM[activation]
+    p = PARAM[activation] if param is None else param
     x = x0.clone(memory_format=torch.preserve_format)  # non-leaf: in-place is allowed
     if fn == "ours":
         y = functions.inplace_abn(x, w, b, rm, rv, training, momentum, eps, activation, p,
@@ -64,3 +65,12 @@ def run(case, fn, memory_format, training, activation, weight_mode, with_residua
 
 def errors(out, ref):
     return {k: rel_err(out[k], ref[k]) for k in out if out[k] is not None}
+
+
+def floor(case, ours, training, activation, weight_mode, with_residual, eps=1e-5, param=None):
+    """The in-place floor (reference.inplace_floor) for ``ours``, the output of
+    run(case, "ours", ...): the gradients computed exactly in float64 from our
+    rounded y, stored in the output dtypes."""
+    return inplace_floor(ours["y"], case["x"], case["dy"], case["w"], case["b"], case["rm"], case["rv"],
+                         training, eps, activation, PARAM[activation] if param is None else param, weight_mode,
+                         case["residual"] if with_residual else None)
