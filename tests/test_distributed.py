@@ -107,12 +107,15 @@ def test_one_collective_per_forward_and_backward(runs, world):
     for rank, rep in got.items():
         for dt, steps in rep["steps"].items():
             sums = "torch.float64" if dt == "torch.float64" else "torch.float32"
-            # first call of the layer: the 4-value channel/precision check, then the statistics
-            stats = ["all_reduce", 2 * C + 1, "torch.float64"]
-            assert steps[0]["forward"] == [["all_reduce", 4, "torch.float64"], stats]
-            for s in steps:
-                if s is not steps[0]:
-                    assert s["forward"] == [stats], (rank, dt, s)
+            # header (7 values) + statistics (2C + 1) in one all_reduce; the group's very first
+            # call (float32, step 0) had no agreed length yet: the header alone, then the 2C + 1
+            stats = [["all_reduce", 7 + 2 * C + 1, "torch.float64"]]
+            for i, s in enumerate(steps):
+                if dt == "torch.float32" and i == 0:
+                    assert s["forward"] == [["all_reduce", 7, "torch.float64"],
+                                            ["all_reduce", 2 * C + 1, "torch.float64"]], (rank, s)
+                else:
+                    assert s["forward"] == stats, (rank, dt, s)
                 assert s["backward"] == [["all_reduce", 2 * C, sums]], (rank, dt, s)
             if rank == 1:
                 assert steps[0]["dx_shape"][0] == 0  # the empty rank gets an empty gradient
@@ -135,6 +138,64 @@ def test_channel_mismatch_raises_on_every_rank(runs):
             assert rep[key].startswith("ValueError")
         assert rep["dtype"] is not None and "ranks disagree on the input precision" in rep["dtype"], rep["dtype"]
         assert rep["after"] is None, "the group fell out of step after the error"
+
+
+@pytest.fixture(scope="module")
+def mismatch_runs(tmp_path_factory):
+    return dist_worker.launch(str(tmp_path_factory.mktemp("mismatch")), world=2, suite="mismatch",
+                              deadline_s=90)
+
+
+CHANNELS = "ValueError: InPlaceABNSync: ranks disagree on the channel count"
+PRECISION = "ValueError: InPlaceABNSync: ranks disagree on the input precision"
+
+
+def _same_error_everywhere(got, case, expected):
+    """case: {agree: [errors], disagree: error, after: error} per rank; the disagreeing call
+    raises ``expected`` on every rank, the others pass, nobody is killed."""
+    for rank, rep in got.items():
+        r = rep
+        for k in case:
+            r = r[k]
+        assert r["agree"] == [None] * len(r["agree"]), (rank, case, r)
+        keys = [k for k in r if k.startswith("disagree")]
+        for k in keys:
+            assert r[k] is not None and r[k].startswith(expected), (rank, case, k, r[k])
+        assert r["after"] is None, (rank, case, "the group fell out of step after the error", r["after"])
+
+
+def test_mismatch_launch_finished(mismatch_runs):
+    meta = mismatch_runs["_meta"]
+    assert meta["killed"] == [] and meta["exitcodes"] == [0, 0] and meta["done"] == [True, True], meta
+
+
+def test_channel_change_without_tensors_raises_on_every_rank(mismatch_runs):
+    """A functional call with no tensors, and layers with affine=False and no running
+    statistics, agreeing on C = 3 and C = 5, then 3 against 5, then 3 against 40: before the
+    fix the ranks skipped their one-time check and gloo aborted one of them (SIGABRT)."""
+    got = reports(mismatch_runs, "mismatch-functional-no-tensors", 2)
+    _same_error_everywhere(got, [], CHANNELS)
+    got = reports(mismatch_runs, "mismatch-module-no-stats", 2)
+    for cls in ("InPlaceABNSync", "ABNSync"):
+        _same_error_everywhere(got, [cls], CHANNELS)
+
+
+def test_precision_switch_raises_on_every_rank(mismatch_runs):
+    """One rank switches a layer (or the functional call) to float64 after agreeing calls."""
+    got = reports(mismatch_runs, "mismatch-dtype-switch", 2)
+    for case in ("InPlaceABNSync", "ABNSync", "functional"):
+        _same_error_everywhere(got, [case], PRECISION)
+
+
+def test_any_call_sequence_stays_in_step(mismatch_runs):
+    got = reports(mismatch_runs, "mismatch-random-sequence", 2)
+    res = [got[r]["results"] for r in (0, 1)]
+    assert res[0] == res[1], "the ranks saw different outcomes"
+    raised = [r for r in res[0] if r[0] == "raised"]
+    assert all(r == ["raised", CHANNELS.split(": ", 1)[1]] for r in raised), raised
+    assert ["ok", True] not in res[0], "a disagreeing call went through"
+    assert len(raised) >= 8 and len(res[0]) == 80
+    assert max(got[r]["max_err"] for r in (0, 1)) < 1e-12
 
 
 def test_eval_runs_no_collective(runs):
