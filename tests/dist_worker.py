@@ -59,9 +59,10 @@ SPATIAL = {
     "4d": [(4, 3), (3, 5), (5, 2), (2, 4)],
     "4d_channels_last": [(4, 3), (3, 5), (5, 2), (2, 4)],
     "5d_channels_last_3d": [(2, 3, 2), (3, 2, 2), (2, 2, 3), (3, 3, 1)],
+    "14x14": [(14, 14)] * 4,
 }
 FORMAT = {"2d": torch.contiguous_format, "4d": torch.contiguous_format, "4d_channels_last": torch.channels_last,
-          "5d_channels_last_3d": torch.channels_last_3d}
+          "5d_channels_last_3d": torch.channels_last_3d, "14x14": torch.contiguous_format}
 
 
 def global_batch(w, layout, C, seed, batch=None):
@@ -145,11 +146,11 @@ ACCURACY = accuracy_cases()
 
 
 def run_accuracy(rank, group, c):
-    w, C = c["w"], 5
+    w, C = c["w"], c.get("C", 5)
     dtype = getattr(torch, c["dtype"])
     pdtype = torch.float64 if dtype == torch.float64 else torch.float32
     p = PARAM[c["act"]]
-    d = global_batch(w, c["layout"], C, _seed(c["name"]))
+    d = global_batch(w, c["layout"], C, _seed(c["name"]), c.get("batch"))
     momentum, eps = 0.1, 1e-5
 
     # reference: one process, stock float64 BatchNorm + activation on all ranks' values (rounded to dtype)
@@ -212,6 +213,27 @@ def run_accuracy(rank, group, c):
 
 for _c in ACCURACY:
     scenario(_c["name"], _c["w"])(lambda rank, group, _c=_c: run_accuracy(rank, group, _c))
+
+
+SILU_SEEDS = 6
+
+
+@scenario("silu-float32-seeds", 2)
+def _silu_float32(rank, group):
+    """The worst float32 SiLU errors of the synchronised layer: 2 ranks with batches 5 and 3 of
+    16 x 14 x 14, SILU_SEEDS seeds x both weight modes (module and functional), both backends."""
+    worst = {}
+    for backend in (["native"] if inplace_abn.HAS_NATIVE else []) + ["python"]:
+        with inplace_abn.use_backend(backend):
+            for seed in range(SILU_SEEDS):
+                for i, wm in enumerate(("abs", "signed")):
+                    c = dict(w=2, dtype="float32", act="silu", wm=wm, layout="14x14", residual=False, C=16,
+                             batch=[5, 3], api=("module", "functional")[(seed + i) % 2],
+                             name=f"silu-float32-{seed}-{wm}")
+                    rep = run_accuracy(rank, group, c)
+                    for k, e in rep["errors"].items():
+                        worst[f"{backend}:{k}"] = max(worst.get(f"{backend}:{k}", 0.0), e)
+    return dict(worst=worst)
 
 
 # ---- several forwards in one step, ABNSync -------------------------------------------
