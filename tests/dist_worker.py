@@ -28,6 +28,7 @@ import inplace_abn
 from inplace_abn import ABN, InPlaceABN, InPlaceABNSync, convert_sync
 from inplace_abn.functions import inplace_abn_sync
 from inplace_abn.sync import ABNSync
+from collectives import CountCollectives
 from reference import stock
 
 WORLD = 4
@@ -433,35 +434,6 @@ def _channel_mismatch(rank, group):
     out["dtype"] = _catch(lambda: InPlaceABNSync(3, group=group).to(dt)(torch.randn(4, 3, dtype=dt)))
     out["after"] = _catch(lambda: InPlaceABNSync(3, group=group)(torch.randn(2 + rank, 3)))
     return out
-
-
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier",
-               "reduce", "gather", "scatter", "all_to_all")
-
-
-class CountCollectives:
-    """Records calls to torch.distributed collectives made through the module's
-    attributes: ``calls`` (names) and ``sizes`` ((name, numel, dtype) of the first tensor)."""
-
-    def __enter__(self):
-        self.calls, self.sizes, self.saved = [], [], {}
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                fn = getattr(dist, name)
-                self.saved[name] = fn
-
-                def wrapper(*a, _fn=fn, _name=name, **k):
-                    self.calls.append(_name)
-                    t = a[0] if a and isinstance(a[0], torch.Tensor) else None
-                    self.sizes.append((_name, t.numel() if t is not None else 0, str(t.dtype) if t is not None else ""))
-                    return _fn(*a, **k)
-
-                setattr(dist, name, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 def _protocol(rank, group):

@@ -16,32 +16,24 @@ def _interleaved(first, second):
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     seen, errors = {}, []
 
-    def a():
+    def thread(tag, choice, enter_after, entered, leave_after, left):
         try:
-            with inplace_abn.use_backend(first):
-                a_in.set()
-                b_in.wait(10)
-                seen["a_inside"] = _backend.current()
-                seen["a_ops"] = _backend.ops_for(torch.zeros(1))
-            seen["a_after"] = _backend.current()
-            a_out.set()
+            enter_after.wait(10)
+            with inplace_abn.use_backend(choice):
+                entered.set()
+                leave_after.wait(10)
+                seen[tag + "_inside"] = _backend.current()
+                seen[tag + "_ops"] = _backend.ops_for(torch.zeros(1))
+            seen[tag + "_after"] = _backend.current()
         except Exception as e:  # noqa: BLE001
             errors.append(e)
-            a_out.set()
+        finally:
+            entered.set(), left.set()
 
-    def b():
-        try:
-            a_in.wait(10)
-            with inplace_abn.use_backend(second):
-                b_in.set()
-                a_out.wait(10)
-                seen["b_inside"] = _backend.current()
-                seen["b_ops"] = _backend.ops_for(torch.zeros(1))
-            seen["b_after"] = _backend.current()
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-            b_in.set()
-
+    start = threading.Event()
+    start.set()
+    a = lambda: thread("a", first, start, a_in, b_in, a_out)  # noqa: E731
+    b = lambda: thread("b", second, a_in, b_in, a_out, threading.Event())  # noqa: E731
     threads = [threading.Thread(target=a), threading.Thread(target=b)]
     for t in threads:
         t.start()
