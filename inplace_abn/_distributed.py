@@ -46,9 +46,11 @@ orders or numbers (divergent control flow) meet mismatched forward and
 backward collectives; that breaks DistributedDataParallel and
 torch.nn.SyncBatchNorm alike.
 """
+import functools
+import weakref
+
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 HEADER = 7
 CONTEXT = 8  # agreed lengths that key the capacity prediction
@@ -74,14 +76,20 @@ class _GroupState:
         self.recent = (self.recent + (need,))[-CONTEXT:]
 
 
-_states = WeakIdKeyDictionary()  # process group -> _GroupState
+_states = {}  # id(process group) -> (weak reference to it, _GroupState)
 
 
 def _state(group) -> _GroupState:
-    state = _states.get(group)
-    if state is None:
-        state = _states[group] = _GroupState()
-    return state
+    key = id(group)
+    entry = _states.get(key)
+    if entry is None or entry[0]() is not group:
+        entry = _states[key] = (weakref.ref(group, lambda _, key=key: _states.pop(key, None)), _GroupState())
+    return entry[1]
+
+
+def forget(group) -> None:
+    """Start the group's agreed history afresh (on every rank of it at the same point)."""
+    _states.pop(id(group), None)
 
 
 def _precision(dtype: torch.dtype) -> int:
@@ -94,6 +102,12 @@ def _header(C: int, precision: int):
         raise ValueError(f"InPlaceABNSync: at most 2^32 - 1 channels, got {C}")
     c0, c1 = C & 0xFFFF, C >> 16
     return [1.0, c0, c0 * c0, c1, c1 * c1, precision, precision * precision]
+
+
+@functools.lru_cache(maxsize=256)
+def _header_tensor(C: int, precision: int, device: torch.device) -> torch.Tensor:
+    """The header as a float64 tensor (cached: only read, by torch.cat)."""
+    return torch.tensor(_header(C, precision), dtype=torch.float64, device=device)
 
 
 def _agree(W: int, s, ss) -> bool:
@@ -150,7 +164,7 @@ def reduce_stats(mean, var, count: int, group, shift=None, layer=None):
     n = float(count)
     body = torch.cat([m.new_full((1,), n), n * d, var.double() * n + n * d * d])
     need, cap = 2 * C + 1, state.capacity()
-    head = m.new_tensor(_header(C, precision))
+    head = _header_tensor(C, precision, m.device)
     fits = need <= cap
     packed = torch.cat([head, body if fits else body[:0], m.new_zeros(cap - need if fits else cap)])
     dist.all_reduce(packed, dist.ReduceOp.SUM, group=group)

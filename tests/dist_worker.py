@@ -443,7 +443,7 @@ def _protocol(rank, group):
 
     C = 7
     # the group starts afresh here (on every rank of it, at the same point)
-    _distributed._states.pop(dist.group.WORLD if group is None else group, None)
+    _distributed.forget(dist.group.WORLD if group is None else group)
     out = {}
     for dt in (torch.float32, torch.float64):
         layer = InPlaceABNSync(C, group=group, activation="silu").to(dt)
