@@ -10,14 +10,16 @@ Forward: one all_reduce(SUM), in float64, of a fixed header followed by a body
 of ``capacity`` values:
 
     header  [1, c0, c0^2, c1, c1^2, p, p^2]     c0 + 2^16 c1 = C (C < 2^32),
-                                                p = 1 (float32 sums) or 2 (float64)
+                                                p = 1 (float32 sums: float16, bfloat16 or
+                                                float32 inputs, which may mix) or 2 (float64)
     body    [n_k, n_k (m_k - K), M2_k + n_k (m_k - K)^2, 0 ...]   2C + 1 values, zero-padded
 
 ``capacity`` is a function of the group's agreed history only (below), so
 every rank hands in the same length. After the reduction every rank holds the
 same sums: the first entry is the number of ranks W, and ranks agree on a
 digit d exactly when W * sum(d^2) == (sum d)^2 (Cauchy-Schwarz; the sums are
-integers below 2^53, hence exact, and compared as Python integers). When they
+integers below W 2^32 < 2^53 for W < 2^21 ranks, hence exact, and compared as
+Python integers). When they
 disagree, every rank raises the same ValueError from the same reduced values:
 nobody goes on to another collective. When they agree, 2C + 1 is agreed: if it
 exceeded ``capacity`` (the body did not fit), every rank runs one more
@@ -28,8 +30,8 @@ capacity of the next call is the largest 2C + 1 that ever followed the same
 last 8 agreed values, or, for a context not seen yet, the largest 2C + 1 of
 the group so far (0 at the group's first call). Being computed from reduced
 values only, it is the same on every rank, by induction over the group's
-calls. A network that repeats its layers sends the exact length from its
-third step on (measured: 1.9% more than needed for ResNet-50, 0.2% for
+calls. A network that repeats its layers sends nearly the exact lengths from
+its third step on (measured: 1.9% more than needed for ResNet-50, 0.2% for
 MobileNetV2; the second step pads the 8 calls whose context spans the step
 boundary). The extra collective runs only when a call needs more than its
 context predicts; the stored values only grow, so for a repeating network
