@@ -3,8 +3,9 @@
 Measures forward + backward time per step of one layer (leaky_relu, float32)
 on W ranks, and the bytes each method hands to collectives per layer and step:
 
-- ``InPlaceABNSync``: this package (DESIGN.md section 4): one float64
-  all_reduce of 2C + 1 values forward, one of 2C values (the sums' dtype)
+- ``InPlaceABNSync``: this package (docs/DESIGN.md section 4): one float64
+  all_reduce of 7 + 2C + 1 values forward (a 7-value header that checks C and
+  the precision, then the statistics), one of 2C values (the sums' dtype)
   backward.
 - ``naive``: per-channel [sum x, sum x^2, count] all-reduced through autograd
   (torch.distributed.nn.functional.all_reduce), then stock BatchNorm math and
@@ -36,7 +37,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, ".."))
+sys.path.insert(0, os.path.join(_HERE, "..", "tests"))
+from collectives import CountCollectives  # noqa: E402  (shared with the tests)
 import inplace_abn  # noqa: E402
 from inplace_abn import InPlaceABN, InPlaceABNSync  # noqa: E402
 from inplace_abn.sync import ABNSync  # noqa: E402
@@ -65,32 +69,6 @@ class NaiveSyncBN(nn.Module):
         y = (x - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape) * self.weight.view(shape) \
             + self.bias.view(shape)
         return F.leaky_relu(y, self.slope)
-
-
-class CountBytes:
-    """Bytes handed to torch.distributed collectives (first tensor argument) while active."""
-
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor")
-
-    def __enter__(self):
-        self.calls, self.saved = [], {}
-        for name in self.NAMES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self.saved[name] = fn
-
-            def wrapper(*a, _fn=fn, _name=name, **k):
-                t = a[0] if a and isinstance(a[0], torch.Tensor) else a[1]
-                self.calls.append((_name, t.numel(), t.dtype, t.numel() * t.element_size()))
-                return _fn(*a, **k)
-
-            setattr(dist, name, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 def make_layers(C, device):
@@ -128,13 +106,13 @@ def run(rank, world, args):
     layers = make_layers(C, device)
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
 
-    # bytes per layer and step (second step: the first call of a layer adds its 4-value check)
+    # bytes per layer and step (second step: the group's first call sends its header alone first)
     traffic = {}
     for name, layer in layers.items():
         step(layer, x0, dy)
-        with CountBytes() as cb:
+        with CountCollectives() as cc:
             step(layer, x0, dy)
-        traffic[name] = cb.calls
+        traffic[name] = [(n, k, dt, b) for (n, k, dt), b in zip(cc.sizes, cc.nbytes)]
 
     # time: rounds alternate the methods so that machine noise hits them alike
     times = {name: [] for name in layers}
@@ -172,7 +150,7 @@ def report(args, world, shape, layers, med, traffic):
     base = med[list(layers).index("naive")]
     print(f"\n{'method':<19} {'fwd+bwd ms':>10} {'vs naive':>9}   collectives per layer and step (payload)")
     for name, t in zip(layers, med):
-        calls = ", ".join(f"{n}[{k} x {str(dt).replace('torch.', '')}]" for n, k, dt, _ in traffic[name])
+        calls = ", ".join(f"{n}[{k} x {dt.replace('torch.', '')}]" for n, k, dt, _ in traffic[name])
         total = sum(c[3] for c in traffic[name])
         print(f"{name:<19} {t * 1e3:>10.2f} {t / base:>8.2f}x   {calls or 'none'} = {total} B")
 
@@ -180,7 +158,7 @@ def report(args, world, shape, layers, med, traffic):
     print("each rank hands to the collectives; 'sent': bytes each rank puts on the wire with ring")
     print("algorithms (all_reduce of B bytes: 2(W-1)/W B; all_gather of B bytes per rank: (W-1) B).")
     for c in (C, 1024):
-        ours = (2 * c + 1) * 8 + 2 * c * 4  # fwd float64 2C+1, bwd 2C float32
+        ours = (7 + 2 * c + 1) * 8 + 2 * c * 4  # fwd float64 header + 2C+1, bwd 2C float32
         naive = (2 * c + 1) * 4 * 2  # fwd and bwd: 2C+1 float32
         gather = (2 * c + 1) * 4 + 2 * c * 4  # all_gather input per rank + backward all_reduce
         print(f"\nC={c}: payload per rank and step: InPlaceABNSync {ours} B, naive {naive} B (both fixed), "

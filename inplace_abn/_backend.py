@@ -2,9 +2,11 @@
 built and has kernels for the input's device, else the pure-PyTorch backend.
 
 ``INPLACE_ABN_BACKEND`` = ``auto`` (default) | ``native`` | ``python`` picks
-the backend at import; `use_backend` switches it for a block of code.
+the backend at import; `use_backend` switches it for a block of code, in the
+current thread (or asyncio task) only: the choice is a `contextvars.ContextVar`.
 """
 import contextlib
+import contextvars
 import os
 import warnings
 
@@ -61,37 +63,49 @@ def _initial_choice() -> str:
     return choice
 
 
-_choice = _initial_choice()
+_default = _initial_choice()
+# Unset in a thread that did not call use_backend: such a thread gets the default, or, in
+# autograd's device threads, the value of the thread that started the backward.
+_choice = contextvars.ContextVar("inplace_abn_backend")
 _warned_devices = set()
 
 
 def current() -> str:
-    """The configured backend: ``auto``, ``native`` or ``python``."""
-    return _choice
+    """The configured backend in this thread: ``auto``, ``native`` or ``python``."""
+    name = _choice.get(None)
+    if name is None:
+        # torch.autograd.backward stashes the caller's context for its device threads (a compiled
+        # backward runs in that context already)
+        if not torch.compiler.is_compiling() and torch._C._is_key_in_tls("context"):
+            stashed = torch._C._get_obj_in_tls("context")
+            name = None if stashed is None else stashed.get(_choice)
+        if name is None:
+            name = _default
+    return name
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Run a block with the ``native``, ``python`` or ``auto`` backend."""
-    global _choice
+    """Run a block with the ``native``, ``python`` or ``auto`` backend (this thread only)."""
     if name not in ("auto", "native", "python"):
         raise ValueError(f"backend must be auto, native or python, got {name!r}")
     if name == "native" and not HAS_NATIVE:
         raise RuntimeError(f"the native extension is not available: {_native_error}")
-    previous, _choice = _choice, name
+    token = _choice.set(name)
     try:
         yield
     finally:
-        _choice = previous
+        _choice.reset(token)
 
 
 def ops_for(x: torch.Tensor):
     """The operator set that runs on ``x``'s device under the current choice."""
-    if _choice == "python" or not HAS_NATIVE:
+    choice = current()
+    if choice == "python" or not HAS_NATIVE:
         return _pure
     if _has_device_kernel(x.device.type):
         return NATIVE
-    if _choice == "native":
+    if choice == "native":
         raise RuntimeError(f"inplace_abn: the native extension has no kernels for {x.device.type} tensors")
     if x.device.type not in _warned_devices:
         _warned_devices.add(x.device.type)

@@ -26,9 +26,11 @@ What each layer becomes:
 Parameters and buffers are the original tensors (not copies), so optimisers
 built before the conversion keep working and state dicts keep their keys.
 
-Every synchronised layer runs one collective per training forward and one
-per backward on every rank of its group (so every rank must run the same
-layers in the same order, forward and backward). Under DDP's ``no_sync()``
+Every synchronised layer runs one collective per training forward (plus one
+while the group learns the buffer lengths its calls need, see
+inplace_abn/_distributed.py) and one per backward on every rank of its group
+(so every rank must run the same layers in the same order, forward and
+backward). Under DDP's ``no_sync()``
 (gradient accumulation) they still do: ``no_sync`` only defers DDP's gradient
 all_reduce, and each micro-batch is normalised with its statistics over all
 ranks. Eval mode runs no collective.
@@ -54,8 +56,8 @@ def _pc(v, nd):
 class _SyncBatchNormFunction(torch.autograd.Function):
     """z = w (x - mu) / sqrt(var + eps) + b with (mu, var) over the group; not in place.
 
-    Same protocol as the in-place layer (DESIGN.md section 4): one float64
-    all_reduce of 2C + 1 values forward, one of 2C values backward. The
+    Same protocol as the in-place layer (docs/DESIGN.md section 4): one float64
+    all_reduce of the statistics forward, one of 2C values backward. The
     element-wise work runs through PyTorch's fused batch_norm kernels (in
     their eval form, fed the global statistics).
     """
@@ -74,8 +76,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             del d
         else:
             mean, var = xa.new_zeros(C), xa.new_zeros(C)
-        mean, var, n = _distributed.reduce_stats(mean, var, count, group, running_mean,
-                                                 layer=(weight, bias, running_mean, running_var))
+        mean, var, n = _distributed.reduce_stats(mean, var, count, group, running_mean)
         update_running_stats(mean, var, n, running_mean, running_var, momentum, x.shape, synced=True)
         w = None if weight is None else weight.detach().to(acc)
         b = None if bias is None else bias.detach().to(acc)
@@ -127,7 +128,7 @@ class ABNSync(ABN):
     Computes exactly what `ABN` computes on the batch of all ranks together:
     the weight is used as it is (no eps, any sign), ``relu`` is accepted, and
     the memory is that of `ABN`. Same protocol and rules as `InPlaceABNSync`:
-    one float64 all_reduce of 2C + 1 values per training forward and one of 2C
+    one float64 all_reduce of the statistics per training forward and one of 2C
     values per backward; every rank of the group runs forward and backward;
     batch and spatial sizes may differ and be 0, channels may not; running
     statistics use the global count. Eval mode runs no collective (with
@@ -137,6 +138,7 @@ class ABNSync(ABN):
 
     Args: those of `ABN`, plus
         group: the process group to synchronise over, or None for the world.
+        device, dtype: torch's factory arguments, as for torch.nn.BatchNorm2d.
     """
 
     def __init__(
@@ -149,8 +151,13 @@ class ABNSync(ABN):
         activation: str = "leaky_relu",
         activation_param: float = 0.01,
         group: Optional[Any] = None,
+        device=None,
+        dtype=None,
     ):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param)
+        # Passed only when given, so that this works with an ABN that predates the factory arguments.
+        factory = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
+                         **factory)
         self.group = group
 
     def set_group(self, group: Optional[Any]) -> None:

@@ -28,6 +28,7 @@ import inplace_abn
 from inplace_abn import ABN, InPlaceABN, InPlaceABNSync, convert_sync
 from inplace_abn.functions import inplace_abn_sync
 from inplace_abn.sync import ABNSync
+from collectives import CountCollectives
 from reference import stock
 
 WORLD = 4
@@ -35,12 +36,13 @@ PARAM = {"identity": 0.0, "relu": 0.0, "leaky_relu": 0.1, "elu": 0.8, "silu": 0.
 GROUP_TIMEOUT_S = 45  # a collective waiting longer than this fails instead of hanging
 FRAGILE_TIMEOUT_S = 8  # the group used by the "a rank dies" scenario
 
-SCENARIOS = []  # (name, world size, fn(rank, group) -> dict)
+SCENARIOS = []  # (name, world size, fn(rank, group) -> dict, suite)
 
 
-def scenario(name, size):
+def scenario(name, size, suite="main"):
+    """Register fn(rank, group) -> dict as a scenario of ``suite`` (one launch runs one suite)."""
     def deco(fn):
-        SCENARIOS.append((name, size, fn))
+        SCENARIOS.append((name, size, fn, suite))
         return fn
 
     return deco
@@ -58,9 +60,10 @@ SPATIAL = {
     "4d": [(4, 3), (3, 5), (5, 2), (2, 4)],
     "4d_channels_last": [(4, 3), (3, 5), (5, 2), (2, 4)],
     "5d_channels_last_3d": [(2, 3, 2), (3, 2, 2), (2, 2, 3), (3, 3, 1)],
+    "14x14": [(14, 14)] * 4,
 }
 FORMAT = {"2d": torch.contiguous_format, "4d": torch.contiguous_format, "4d_channels_last": torch.channels_last,
-          "5d_channels_last_3d": torch.channels_last_3d}
+          "5d_channels_last_3d": torch.channels_last_3d, "14x14": torch.contiguous_format}
 
 
 def global_batch(w, layout, C, seed, batch=None):
@@ -144,11 +147,11 @@ ACCURACY = accuracy_cases()
 
 
 def run_accuracy(rank, group, c):
-    w, C = c["w"], 5
+    w, C = c["w"], c.get("C", 5)
     dtype = getattr(torch, c["dtype"])
     pdtype = torch.float64 if dtype == torch.float64 else torch.float32
     p = PARAM[c["act"]]
-    d = global_batch(w, c["layout"], C, _seed(c["name"]))
+    d = global_batch(w, c["layout"], C, _seed(c["name"]), c.get("batch"))
     momentum, eps = 0.1, 1e-5
 
     # reference: one process, stock float64 BatchNorm + activation on all ranks' values (rounded to dtype)
@@ -211,6 +214,27 @@ def run_accuracy(rank, group, c):
 
 for _c in ACCURACY:
     scenario(_c["name"], _c["w"])(lambda rank, group, _c=_c: run_accuracy(rank, group, _c))
+
+
+SILU_SEEDS = 6
+
+
+@scenario("silu-float32-seeds", 2)
+def _silu_float32(rank, group):
+    """The worst float32 SiLU errors of the synchronised layer: 2 ranks with batches 5 and 3 of
+    16 x 14 x 14, SILU_SEEDS seeds x both weight modes (module and functional), both backends."""
+    worst = {}
+    for backend in (["native"] if inplace_abn.HAS_NATIVE else []) + ["python"]:
+        with inplace_abn.use_backend(backend):
+            for seed in range(SILU_SEEDS):
+                for i, wm in enumerate(("abs", "signed")):
+                    c = dict(w=2, dtype="float32", act="silu", wm=wm, layout="14x14", residual=False, C=16,
+                             batch=[5, 3], api=("module", "functional")[(seed + i) % 2],
+                             name=f"silu-float32-{seed}-{wm}")
+                    rep = run_accuracy(rank, group, c)
+                    for k, e in rep["errors"].items():
+                        worst[f"{backend}:{k}"] = max(worst.get(f"{backend}:{k}", 0.0), e)
+    return dict(worst=worst)
 
 
 # ---- several forwards in one step, ABNSync -------------------------------------------
@@ -392,12 +416,11 @@ def _channel_mismatch(rank, group):
     out = {}
     # a layer of another width on one rank
     out["module"] = _catch(lambda: InPlaceABNSync(C, group=group)(torch.randn(2, C, 3, 3)))
-    # no tensors to identify the layer: checked once per (group, C)
+    # a layer with no tensors at all
     out["functional"] = _catch(lambda: inplace_abn_sync(torch.randn(2, C), None, None, None, None, True,
                                                         group=group))
 
-    # models whose widths differ after an agreeing first layer ([8, 4, 8] against [8, 8, 8]):
-    # a per-(group, C) cache would let rank 1 skip its check while rank 0 runs one
+    # models whose widths differ after an agreeing first layer ([8, 4, 8] against [8, 8, 8])
     def model():
         widths = [8, 4, 8] if rank == 0 else [8, 8, 8]
         x = torch.randn(2, 8, 3, 3)
@@ -413,39 +436,14 @@ def _channel_mismatch(rank, group):
     return out
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier",
-               "reduce", "gather", "scatter", "all_to_all")
-
-
-class CountCollectives:
-    """Records calls to torch.distributed collectives made through the module's
-    attributes: ``calls`` (names) and ``sizes`` ((name, numel, dtype) of the first tensor)."""
-
-    def __enter__(self):
-        self.calls, self.sizes, self.saved = [], [], {}
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                fn = getattr(dist, name)
-                self.saved[name] = fn
-
-                def wrapper(*a, _fn=fn, _name=name, **k):
-                    self.calls.append(_name)
-                    t = a[0] if a and isinstance(a[0], torch.Tensor) else None
-                    self.sizes.append((_name, t.numel() if t is not None else 0, str(t.dtype) if t is not None else ""))
-                    return _fn(*a, **k)
-
-                setattr(dist, name, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
-
-
 def _protocol(rank, group):
-    """Collectives per step: forward 1 (2C + 1 float64), backward 1 (2C in the sums' dtype);
-    the layer's first call adds one check of 4 values."""
+    """Collectives per step: forward 1 (the 7-value header and 2C + 1 float64), backward 1
+    (2C in the sums' dtype); the group's first call sends the header alone, then the 2C + 1."""
+    from inplace_abn import _distributed
+
     C = 7
+    # the group starts afresh here (on every rank of it, at the same point)
+    _distributed.forget(dist.group.WORLD if group is None else group)
     out = {}
     for dt in (torch.float32, torch.float64):
         layer = InPlaceABNSync(C, group=group, activation="silu").to(dt)
@@ -464,6 +462,100 @@ def _protocol(rank, group):
 
 scenario("protocol-w2", 2)(_protocol)
 scenario("protocol-w4", WORLD)(_protocol)
+
+
+# ---- ranks that disagree on C or on the precision, at any call (suite "mismatch") -----------
+# Each scenario first makes the group agree on some calls, then disagrees: every rank must
+# raise the same ValueError, and the group must stay usable.
+
+def _agreeing_then_not(rank, call):
+    """call(C) on both ranks with C = 3, then 5 (agreeing), then 3 on rank 0 and 5 on rank 1,
+    then 40 on rank 1 (longer than any buffer the group used), then an agreeing call."""
+    out = {"agree": [_catch(lambda: call(3)), _catch(lambda: call(5))]}
+    out["disagree"] = _catch(lambda: call(3 if rank == 0 else 5))
+    out["disagree_longer"] = _catch(lambda: call(3 if rank == 0 else 40))
+    out["after"] = _catch(lambda: call(4))
+    return out
+
+
+@scenario("mismatch-functional-no-tensors", 2, suite="mismatch")
+def _mismatch_functional(rank, group):
+    def call(C):
+        x = torch.randn(3 + rank, C, 2, requires_grad=True)
+        y = inplace_abn_sync(x.clone(), None, None, None, None, True, group=group)
+        y.sum().backward()
+
+    return _agreeing_then_not(rank, call)
+
+
+@scenario("mismatch-module-no-stats", 2, suite="mismatch")
+def _mismatch_module(rank, group):
+    out = {}
+    for cls in (InPlaceABNSync, ABNSync):
+        def call(C, cls=cls):
+            layer = cls(C, affine=False, track_running_stats=False, group=group)
+            x = torch.randn(2 + rank, C, 3, requires_grad=True)
+            layer(x.clone()).sum().backward()
+
+        out[cls.__name__] = _agreeing_then_not(rank, call)
+    return out
+
+
+@scenario("mismatch-dtype-switch", 2, suite="mismatch")
+def _mismatch_dtype(rank, group):
+    """A layer trained in float32 on both ranks, then rank 0 alone switches it to float64:
+    before the fix the forward went through and the backward all_reduce of 2C values met
+    float64 on one rank and float32 on the other (SIGABRT)."""
+    out = {}
+    for cls in (InPlaceABNSync, ABNSync):
+        layer = cls(3, group=group)
+
+        def step(dt):
+            x = torch.randn(2 + rank, 3, 4, dtype=dt, requires_grad=True)
+            layer(x.clone()).sum().backward()
+
+        first = _catch(lambda: step(torch.float32))
+        layer.to(torch.float64 if rank == 0 else torch.float32)
+        switched = _catch(lambda: step(torch.float64 if rank == 0 else torch.float32))
+        layer.float()
+        out[cls.__name__] = dict(agree=[first], disagree=switched, after=_catch(lambda: step(torch.float32)))
+
+    def fn(dt):
+        x = torch.randn(3, 2, dtype=dt, requires_grad=True)
+        inplace_abn_sync(x.clone(), None, None, None, None, True, group=group).sum().backward()
+
+    out["functional"] = dict(agree=[_catch(lambda: fn(torch.float32)), _catch(lambda: fn(torch.float64))],
+                             disagree=_catch(lambda: fn(torch.float64 if rank == 1 else torch.float32)),
+                             after=_catch(lambda: fn(torch.float64)))
+    return out
+
+
+@scenario("mismatch-random-sequence", 2, suite="mismatch")
+def _mismatch_random(rank, group):
+    """80 functional calls with channel counts drawn from a shared seed (so the group's buffer
+    lengths keep changing), a fifth of them with another C on rank 1: every disagreeing call
+    raises on both ranks, every agreeing one equals one process on the concatenated batch."""
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 2, 3, 5, 8, 13, 40]
+    errors, results = [], []
+    for i in range(80):
+        C = sizes[int(torch.randint(len(sizes), (1,), generator=g))]
+        other = sizes[int(torch.randint(len(sizes), (1,), generator=g))]
+        disagree = bool(torch.rand(1, generator=g) < 0.2) and other != C
+        xs = [torch.randn(n, C, 2, generator=g, dtype=torch.float64) + 1 for n in (2, 1)]
+        mine = other if (disagree and rank == 1) else C
+        x = xs[rank] if mine == C else torch.randn(2, mine, 2, dtype=torch.float64)
+        try:
+            y = inplace_abn_sync(x.clone(), None, None, None, None, True, activation="identity", group=group)
+        except ValueError as e:
+            results.append(("raised", str(e).split(" (")[0]))
+            continue
+        ref = stock(flat(xs, C), None, None, None, None, True, 0.1, 1e-5, "identity", 0.0)
+        lo = 0 if rank == 0 else xs[0].numel() // C
+        err = (flat([y], C) - ref[:, :, lo:lo + x.numel() // C]).abs().max().item()
+        errors.append(err)
+        results.append(("ok", disagree))
+    return dict(results=results, max_err=max(errors))
 
 
 @scenario("eval-on-rank-0-only", WORLD)
@@ -520,7 +612,7 @@ GROUPS = {}
 FRAGILE = None
 
 
-def main(rank, world, port, outdir, backend, deadline_s):
+def main(rank, world, port, outdir, backend, deadline_s, suite="main"):
     global FRAGILE
     faulthandler.dump_traceback_later(deadline_s, exit=True)  # a hang prints its stack and ends
     torch.set_num_threads(1)
@@ -543,8 +635,8 @@ def main(rank, world, port, outdir, backend, deadline_s):
     report["_start"] = dict(backend=backend)
     save()
     with inplace_abn.use_backend(backend):
-        for name, size, fn in SCENARIOS:
-            if rank >= size:
+        for name, size, fn, in_suite in SCENARIOS:
+            if rank >= size or in_suite != suite:
                 continue
             t0 = time.time()
             try:
@@ -566,8 +658,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(outdir, world=WORLD, backend=None, deadline_s=150):
-    """Run every scenario on ``world`` processes; returns {scenario: {rank: report}}.
+def launch(outdir, world=WORLD, backend=None, deadline_s=150, suite="main"):
+    """Run every scenario of ``suite`` on ``world`` processes; returns {scenario: {rank: report}}.
 
     Processes come from torch.multiprocessing (forkserver where available: torch
     is imported once, not once per rank). A rank still running at the deadline
@@ -582,7 +674,7 @@ def launch(outdir, world=WORLD, backend=None, deadline_s=150):
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed"])
     port = _free_port()
-    procs = [ctx.Process(target=main, args=(r, world, port, outdir, backend, deadline_s - 5), daemon=True)
+    procs = [ctx.Process(target=main, args=(r, world, port, outdir, backend, deadline_s - 5, suite), daemon=True)
              for r in range(world)]
     t0 = time.time()
     for p in procs:
@@ -601,7 +693,9 @@ def launch(outdir, world=WORLD, backend=None, deadline_s=150):
         except (OSError, ValueError):
             reports[r] = {}
     out = {}
-    for name, size, _ in SCENARIOS:
+    for name, size, _, in_suite in SCENARIOS:
+        if in_suite != suite:
+            continue
         out[name] = {r: reports[r][name] for r in range(size) if name in reports[r]}
     out["_meta"] = dict(killed=killed, exitcodes=[p.exitcode for p in procs], seconds=time.time() - t0,
                         done=[bool(reports[r].get("_done")) for r in range(world)], method=method)
