@@ -136,7 +136,7 @@ def _check(C: int, precision: int, head) -> None:
         )
 
 
-def reduce_stats(mean, var, count: int, group, shift=None, layer=None):
+def reduce_stats(mean, var, count: int, group, shift=None):
     """Combine per-rank (count, mean, biased var) into the global ones: one all_reduce.
 
     Args:
@@ -146,7 +146,6 @@ def reduce_stats(mean, var, count: int, group, shift=None, layer=None):
         group: the process group.
         shift: (C,) shift K common to all ranks (the running mean), or None for 0.
             Non-finite entries are replaced by 0 (same on every rank).
-        layer: unused (accepted for older callers).
     Returns:
         (mean, var, count): global (C,) mean and biased var in mean's dtype, global count (int).
     Raises:

@@ -88,19 +88,16 @@ class ABN(nn.Module):
     def _counts_batch(self) -> bool:
         return self.training and self.track_running_stats and self.num_batches_tracked is not None
 
-    def _momentum_and_training(self, count: bool = True):
+    def _momentum_and_training(self):
         """(momentum, use batch statistics) for this call, as torch.nn.BatchNorm computes them.
 
-        ``count=True`` also counts the batch now, as torch.nn.BatchNorm does.
-        The layers here pass ``count=False`` and call `_count_batch` once the
-        layer has run, so that an input the layer refuses leaves
-        num_batches_tracked, like the running statistics, as it was.
+        The batch is counted only once the layer has run (`_count_batch`), so
+        that an input the layer refuses leaves num_batches_tracked, like the
+        running statistics, as it was.
         """
         momentum = 0.0 if self.momentum is None else self.momentum
         if self._counts_batch() and self.momentum is None:
             momentum = 1.0 / float(self.num_batches_tracked + 1)
-        if count:
-            self._count_batch()
         training = self.training or self.running_mean is None
         return momentum, training
 
@@ -114,7 +111,7 @@ class ABN(nn.Module):
         return self.running_mean, self.running_var
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        momentum, training = self._momentum_and_training(count=False)
+        momentum, training = self._momentum_and_training()
         running_mean, running_var = self._running_stats()
         x = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training, momentum, self.eps)
         self._count_batch()
@@ -185,7 +182,7 @@ class InPlaceABN(ABN):
         self.weight_mode = weight_mode
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        momentum, training = self._momentum_and_training(count=False)
+        momentum, training = self._momentum_and_training()
         running_mean, running_var = self._running_stats()
         y = inplace_abn(x, self.weight, self.bias, running_mean, running_var, training, momentum, self.eps,
                         self.activation, self.activation_param, residual=residual, weight_mode=self.weight_mode)
@@ -239,7 +236,7 @@ class InPlaceABNSync(InPlaceABN):
             # Eval never synchronises (like torch.nn.SyncBatchNorm), so validation on a
             # subset of ranks cannot hang, even with track_running_stats=False.
             return super().forward(x, residual)
-        momentum, training = self._momentum_and_training(count=False)
+        momentum, training = self._momentum_and_training()
         running_mean, running_var = self._running_stats()
         y = inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
                              self.eps, self.activation, self.activation_param, self.group, residual=residual,

@@ -81,8 +81,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
             mean, var = ops.batch_stats(work)
             count = local_count
             if group is not None:
-                mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean,
-                                                             layer=(weight, bias, running_mean, running_var))
+                mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
             update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape, group is not None)
         else:
             mean, var, count = running_mean, running_var.clone(), local_count
@@ -442,11 +441,13 @@ def inplace_abn_sync(
     but not in channels or precision. Without an initialised torch.distributed
     it falls back to `inplace_abn` with a single warning.
 
-    Communication (DESIGN.md section 4), whatever the world size: in training,
-    one float64 all_reduce of 2C + 1 values per forward and one all_reduce of
-    2C values (float64 for float64 inputs, else float32) per backward; the
-    first training call of each layer adds one check of 4 values, after which
-    ranks that disagree on C raise the same ValueError together. A global count
+    Communication (docs/DESIGN.md section 4), whatever the world size: in
+    training, one float64 all_reduce per forward of a 7-value header plus the
+    statistics (2C + 1 values, zero-padded to a length every rank agrees on;
+    while the group learns its layers' lengths, a call may add one more), and
+    one all_reduce of 2C values (float64 for float64 inputs, else float32) per
+    backward. Ranks that disagree on C or on the precision raise the same
+    ValueError together, at any call. A global count
     of one value per channel raises the same ValueError on every rank; a
     global count of 0 (every rank empty) returns the empty outputs and leaves
     the running statistics, as torch.nn.BatchNorm does.
@@ -488,11 +489,11 @@ def inplace_abn_sync(
 # torch.compile: a synchronised training call runs eagerly, as one unit (one
 # graph break per layer; the rest of the model stays compiled). Its collectives
 # need host values (the global count for the n <= 1 check and the running
-# variance, the one-time channel check), which a graph cannot hold; tracing
+# variance, the channel/precision header), which a graph cannot hold; tracing
 # into it would only split it into many small graphs. Eval mode and calls
 # without a process group are traced as usual (no graph break).
 _apply_synced = torch.compiler.disable(
-    _apply, reason="InPlaceABNSync: statistics all_reduce needs host-side values (global count, channel check)")
+    _apply, reason="InPlaceABNSync: statistics all_reduce needs host-side values (global count, channel/precision header)")
 
 
 __all__ = ["inplace_abn", "inplace_abn_sync"]

@@ -154,10 +154,8 @@ class ABNSync(ABN):
         device=None,
         dtype=None,
     ):
-        # Passed only when given, so that this works with an ABN that predates the factory arguments.
-        factory = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
-                         **factory)
+                         device=device, dtype=dtype)
         self.group = group
 
     def set_group(self, group: Optional[Any]) -> None:
@@ -182,6 +180,7 @@ class ABNSync(ABN):
         running_mean, running_var = self._running_stats()
         z = _SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean, running_var, momentum,
                                          float(self.eps), group)
+        self._count_batch()
         return self._activate(z)
 
 
