@@ -18,8 +18,14 @@ layer becomes its activation alone (``Conv, LeakyRelu``). "Used by nothing
 else" is proven, not assumed: inside an ``nn.Sequential`` (a Conv directly
 followed by the layer), or from a ``torch.fx`` trace of the model in which
 the convolution and the layer are each called once and the layer is the
-convolution's only user. Models that torch.fx cannot trace are still folded,
-only without the convolution step outside Sequentials.
+convolution's only user. In a model that torch.fx cannot trace the graph is
+unknown: only a Conv directly followed by the layer inside a stock
+``nn.Sequential`` (its ``forward`` not overridden, neither module registered
+anywhere else) is folded, and that fold is guarded: the folded convolution and
+activation raise a RuntimeError when called other than as that pair inside the
+Sequential's own ``forward`` (a conv also called alone, or its output read by
+anything but the layer, would otherwise be silently wrong). Every other layer
+becomes a scale/shift `FoldedABN`, which is exact whatever the graph.
 """
 import copy
 from typing import Optional
@@ -102,20 +108,77 @@ def _fold_into_conv(conv: nn.Module, scale: torch.Tensor, shift: torch.Tensor) -
     conv.bias = nn.Parameter(new_b, requires_grad=w.requires_grad)
 
 
+class _SequentialFoldGuard:
+    """Forward hooks that keep a fold made without a graph honest.
+
+    ``conv`` was folded into ``layer`` because ``seq`` (a stock nn.Sequential)
+    calls them one after the other. That is equivalent only while the conv is
+    called by ``seq.forward`` and its output goes to ``layer`` alone, which
+    the Sequential's own loop guarantees. Any other call raises. (A module-level
+    class, so the hooks pickle and deep-copy with the model.)
+    """
+
+    def __init__(self, seq: str, conv: str, layer: str):
+        self.names = (seq, conv, layer)
+        self.depth = 0  # how many seq.forward calls are running
+        self.pending = None  # the conv output the layer must receive next
+
+    def _refuse(self, what: str):
+        seq, conv, layer = self.names
+        raise RuntimeError(
+            f"fuse_for_inference folded convolution '{conv}' into '{layer}' because they follow each other in "
+            f"nn.Sequential '{seq}' (the model could not be traced by torch.fx), but {what}: that fold is not "
+            "valid for this model. Fuse with fold_conv=False, or make the model traceable by torch.fx")
+
+    def seq_enter(self, module, args):
+        self.depth += 1
+        self.pending = None
+
+    def seq_exit(self, module, args, output):
+        self.depth -= 1
+        self.pending = None
+
+    def conv_enter(self, module, args):
+        if self.depth == 0:
+            self._refuse("the convolution was called outside that Sequential")
+
+    def conv_exit(self, module, args, output):
+        self.pending = output
+
+    def layer_enter(self, module, args):
+        if self.depth == 0 or self.pending is None or not args or args[0] is not self.pending:
+            self._refuse("the layer was called other than on the convolution's output inside that Sequential")
+        self.pending = None
+
+    def install(self, seq: nn.Module, conv: nn.Module, layer: nn.Module) -> None:
+        seq.register_forward_pre_hook(self.seq_enter)
+        seq.register_forward_hook(self.seq_exit, always_call=True)
+        conv.register_forward_pre_hook(self.conv_enter)
+        conv.register_forward_hook(self.conv_exit)
+        layer.register_forward_pre_hook(self.layer_enter)
+
+
 def _conv_pairs_sequential(model: nn.Module):
-    """(conv, layer) pairs where the layer directly follows the conv in an nn.Sequential."""
+    """(conv, layer, (guard, seq)) for each layer directly following a conv in a stock
+    nn.Sequential, both registered nowhere else (see the module docstring)."""
+    seen = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        seen[id(m)] = seen.get(id(m), 0) + 1
     pairs = []
-    for seq in model.modules():
-        if isinstance(seq, nn.Sequential):
-            mods = list(seq)
-            for a, b in zip(mods, mods[1:]):
-                if isinstance(a, _CONVS) and _foldable(b):
-                    pairs.append((a, b))
+    for seq_name, seq in model.named_modules():
+        if not isinstance(seq, nn.Sequential) or type(seq).forward is not nn.Sequential.forward:
+            continue
+        items = list(seq.named_children())
+        for (a_name, a), (b_name, b) in zip(items, items[1:]):
+            if isinstance(a, _CONVS) and _foldable(b) and seen[id(a)] == 1 and seen[id(b)] == 1:
+                prefix = f"{seq_name}." if seq_name else ""
+                guard = _SequentialFoldGuard(seq_name or "(the model)", prefix + a_name, prefix + b_name)
+                pairs.append((a, b, (guard, seq)))
     return pairs
 
 
 def _conv_pairs_fx(model: nn.Module):
-    """(conv, layer) pairs proven by a torch.fx trace, or None if the model does not trace."""
+    """(conv, layer, None) for pairs proven by a torch.fx trace, or None if the model does not trace."""
     import torch.fx
 
     class _Tracer(torch.fx.Tracer):
@@ -127,9 +190,12 @@ def _conv_pairs_fx(model: nn.Module):
     except Exception:  # dynamic control flow etc.: fall back to nn.Sequential analysis
         return None
     calls = {}
+    read_params = set()  # modules whose parameters the forward reads directly (F.conv2d(x, self.conv.weight))
     for node in graph.nodes:
         if node.op == "call_module":
             calls.setdefault(node.target, []).append(node)
+        elif node.op == "get_attr":
+            read_params.add(node.target.rpartition(".")[0])
     pairs = []
     for node in graph.nodes:
         if node.op != "call_module" or len(calls[node.target]) != 1:
@@ -141,12 +207,12 @@ def _conv_pairs_fx(model: nn.Module):
         if not (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(calls[src.target]) == 1):
             continue
         conv = model.get_submodule(src.target)
-        if not isinstance(conv, _CONVS):
+        if not isinstance(conv, _CONVS) or src.target in read_params:
             continue
         # The layer must be the conv output's only user, and use it only as x.
         if len(src.users) != 1 or node.args.count(src) != 1 or src in node.kwargs.values():
             continue
-        pairs.append((conv, layer))
+        pairs.append((conv, layer, None))
     return pairs
 
 
@@ -186,16 +252,18 @@ def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool =
         pairs = _conv_pairs_fx(model)
         if pairs is None:
             pairs = _conv_pairs_sequential(model)
-        into_conv = {id(layer): conv for conv, layer in pairs}
+        into_conv = {id(layer): (conv, guard) for conv, layer, guard in pairs}
     for parent in list(model.modules()):
         for name, layer in list(parent.named_children()):
             if not _foldable(layer):
                 continue
             scale, shift = _scale_shift(layer)
-            conv = into_conv.get(id(layer))
+            conv, guard = into_conv.get(id(layer), (None, None))
             if conv is not None:
                 _fold_into_conv(conv, scale, shift)
                 folded = FoldedABN(None, None, layer.activation, layer.activation_param)
+                if guard is not None:  # proven by an nn.Sequential only: refuse any other use at run time
+                    guard[0].install(guard[1], conv, folded)
             else:
                 dtype = layer.running_mean.dtype
                 folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param)
