@@ -32,7 +32,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import _activation
 from .abn import ABN, InPlaceABN
