@@ -1,6 +1,7 @@
 """Graph analysis for `convert_model`: tracing, the patterns around a
 BatchNorm call, and whether overwriting its input is safe (see the docstring
 of `inplace_abn.convert` for the rules)."""
+import copy
 import inspect
 import operator
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.passes.shape_prop import ShapeProp
 
 from . import _activation
 from .abn import ABN
@@ -39,18 +41,23 @@ _FRESH_FUNCS = {
     F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.linear,
     F.interpolate, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
     F.adaptive_avg_pool3d, F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm, F.gelu, F.silu,
-    F.hardswish, F.leaky_relu, F.mish, torch.mean, torch.sum, torch.amax, torch.amin,
+    F.hardswish, F.leaky_relu, F.mish, torch.mean, torch.sum,
 }
 _FRESH_METHODS = {"add", "sub", "mul", "div", "matmul", "clone", "__add__", "__mul__", "__sub__", "mean", "sum",
-                  "amax", "amin", "std", "var", "norm"}
+                  "var"}
+# (amax, amin, norm, std, exp, sigmoid, softmax... save their output for backward: not fresh in this sense.
+# tests/test_fuse_convert_edges.py checks every entry above against what autograd saves.)
 # Operations whose output may be (a view of) their first argument.
 _ALIAS_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
 _ALIAS_FUNCS = {torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze,
                 torch.narrow, torch.select, operator.getitem, torch.detach, F.dropout, F.dropout1d, F.dropout2d,
                 F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
 _ALIAS_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose", "t",
-                  "squeeze", "unsqueeze", "contiguous", "narrow", "select", "expand", "expand_as", "detach",
+                  "squeeze", "unsqueeze", "contiguous", "narrow", "select", "detach",
                   "__getitem__", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"}
+# Views in which several elements share memory: an in-place layer cannot write them.
+_OVERLAP_FUNCS = {torch.broadcast_to}
+_OVERLAP_METHODS = {"expand", "expand_as", "broadcast_to"}
 _INPLACE_FUNCS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
 
 
@@ -119,6 +126,9 @@ def _input_problem(x: fx.Node, bn: fx.Node, modules) -> Optional[str]:
             return "its input is a model input (the caller's tensor would be overwritten)"
         if node.op == "get_attr":
             return "its input is a parameter or buffer"
+        if (node.op == "call_function" and node.target in _OVERLAP_FUNCS) or (
+                node.op == "call_method" and node.target in _OVERLAP_METHODS):
+            return f"its input is an expanded view ({_callable_name(node, modules)}: elements share memory)"
         if _is_fresh(node, modules):
             return None
         if _is_inplace(node, modules):
@@ -419,3 +429,142 @@ class StaticSafety:
 
     def modified_in_place(self, node: fx.Node) -> Optional[str]:
         return _modified_in_place(node, self.modules)
+
+    def converted(self, bn: fx.Node, chosen: "Candidate") -> None:
+        pass  # a converted layer is not a fresh-tensor operation: later inputs from it are left anyway
+
+
+# ---- safety observed in a run ------------------------------------------------------------
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _keys(value) -> set:
+    """Storage identities of the tensors in ``value`` (empty storages left out)."""
+    out = set()
+    for t in _tensors(value):
+        s = t.untyped_storage()
+        if s.nbytes():
+            out.add((t.device, s.data_ptr()))
+    return out
+
+
+class _Recorder(ShapeProp):
+    """Runs a graph and records, per node name, the storages it reads, writes in
+    place (version counters), returns and saves for backward (saved-tensor hooks),
+    and (as ShapeProp) each node's shape and dtype in ``node.meta``.
+    Every value stays alive until the end, so no storage address is reused."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.garbage_collect_values = False
+        self.reads, self.writes, self.returns, self.saves, self.overlap = {}, {}, {}, {}, {}
+
+    def run_node(self, n: fx.Node):
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        inputs = _tensors((args, kwargs))
+        versions = [t._version for t in inputs]
+        saved: List[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = super().run_node(n)
+        self.reads[n.name] = _keys(inputs)
+        self.writes[n.name] = _keys([t for t, v in zip(inputs, versions) if t._version != v])
+        self.returns[n.name] = _keys(out)
+        self.saves[n.name] = _keys(saved)
+        self.overlap[n.name] = any(torch._debug_has_internal_overlap(t) != 0 for t in _tensors(out))
+        return out
+
+
+class _Run:
+    """What one run of the graph did (one mode)."""
+
+    def __init__(self, gm: fx.GraphModule, inputs, training: bool):
+        gm.train(training)
+        rec = _Recorder(gm)
+        with torch.enable_grad():
+            rec.propagate(*inputs)
+        self.rec = rec
+        self.inputs = _keys(inputs)
+        self.state = _keys(list(gm.parameters()) + list(gm.buffers()))
+        self.mode = "training" if training else "eval"
+
+
+class RunSafety:
+    """Safety observed in runs of the graph on example inputs, in training and
+    in eval mode, with every floating-point input and parameter requiring
+    grad: what each node reads, writes in place, returns and saves for
+    backward, from the tensors' storages, version counters and autograd's
+    saved-tensor hooks. No operator table is consulted.
+
+    ``x`` (a BatchNorm's input) may be overwritten when its storage is no
+    model input, parameter or buffer, has no internal overlap, is read by no
+    node after the BatchNorm, and is saved for backward by no node (nor by a
+    layer converted before). A candidate's output must not be written in
+    place by a later node (the layer saves it).
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs):
+        self.modules = dict(gm.named_modules())
+        self.graph_nodes = list(gm.graph.nodes)  # the original nodes, for descriptions
+        self.names = [n.name for n in gm.graph.nodes]  # in execution order (records are by name: of a copy)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        copy_gm = copy.deepcopy(gm)
+        for p in copy_gm.parameters():
+            if p.is_floating_point():
+                p.requires_grad_(True)
+        inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                  for t in example_inputs]
+        self.runs = [_Run(copy_gm, inputs, training) for training in (True, False)]
+        # Shapes and dtypes of the eval-mode run (the residual-shape check reads them).
+        for n, c in zip(gm.graph.nodes, copy_gm.graph.nodes):
+            if "tensor_meta" in c.meta:
+                n.meta["tensor_meta"] = c.meta["tensor_meta"]
+        self.kept = [set() for _ in self.runs]  # storages saved by the layers converted so far, per run
+
+    def _after(self, node: fx.Node) -> List[str]:
+        return self.names[self.index[node.name] + 1:]
+
+    def _describe(self, name: str) -> str:
+        node = next((n for n in self.graph_nodes if n.name == name), None)
+        return name if node is None else f"{name} ({_callable_name(node, self.modules)})"
+
+    def input_problem(self, bn: fx.Node) -> Optional[str]:
+        x = bn.args[0]
+        for run, kept in zip(self.runs, self.kept):
+            rec = run.rec
+            keys = rec.returns.get(x.name, set())
+            where = f" (in {run.mode} mode)"
+            if not keys:
+                return "its input is not a tensor" + where
+            if keys & run.inputs:
+                return "its input is a model input (the caller's tensor would be overwritten)"
+            if keys & run.state:
+                return "its input is a parameter or buffer"
+            if rec.overlap[x.name]:
+                return f"its input has elements sharing memory (an expanded view){where}"
+            if keys & kept:
+                return "its input's memory is saved by an in-place layer converted before it" + where
+            for n in self._after(bn):
+                if rec.reads[n] & keys:
+                    return f"its input's memory is read again after it by {self._describe(n)}" + where
+            for n in self.names:
+                if n != bn.name and rec.saves[n] & keys:
+                    return f"its input's memory is saved for backward by {self._describe(n)}{where}"
+        return None
+
+    def modified_in_place(self, node: fx.Node) -> Optional[str]:
+        for run in self.runs:
+            keys = run.rec.returns.get(node.name, set())
+            for n in self._after(node):
+                if run.rec.writes[n] & keys:
+                    return self._describe(n)
+        return None
+
+    def converted(self, bn: fx.Node, chosen: "Candidate") -> None:
+        """Record what the new layer saves: its input's memory (which becomes its output) and the shortcut."""
+        for run, kept in zip(self.runs, self.kept):
+            for n in (bn.args[0], chosen.output(bn), chosen.shortcut):
+                if n is not None:
+                    kept |= run.rec.returns.get(n.name, set())

@@ -24,15 +24,27 @@ Every converted layer overwrites its input ``x`` and keeps only its output
 (and ``r``) for backward. So a call is converted only when that is safe:
 
 - ``x`` has no reader but the BatchNorm, is not a model input, and comes from
-  an operation known to return a fresh tensor (convolution, linear, add, cat,
-  pooling, interpolation...), possibly through views whose only reader is
-  the next step of the chain;
+  an operation known to return a fresh tensor that its own backward does not
+  need (convolution, linear, add, cat, pooling, interpolation...; not
+  ``amax``, ``norm``, ``std`` or ``exp``, which save their output), possibly
+  through views whose only reader is the next step of the chain (not an
+  ``expand``: its elements share memory);
 - a fused activation is the only reader of the BatchNorm (or add) output, and
   the add's output has no reader but the activation;
 - the layer's output (and ``r``) is not modified in place later (autograd
   would refuse the backward);
 - the BatchNorm module is called once and is a plain ``nn.BatchNorm1d/2d/3d``
   or ``nn.SyncBatchNorm`` with initialised parameters.
+
+With ``example_inputs`` these rules are not taken from operator tables but
+observed: the graph runs on the inputs (on a copy, in training and in eval
+mode, everything requiring grad) under saved-tensor hooks, and ``x`` may be
+overwritten when its memory is no model input, parameter or buffer, has no
+overlapping elements, is read by no operation after the BatchNorm and is
+saved for backward by none (nor by a layer converted before); a candidate's
+output and shortcut must not be written in place (version counters) later.
+That judgement holds for inputs like the examples (a ``reshape`` may copy
+or not depending on strides).
 
 Whatever is not converted stays as it was; the `ConversionReport` says what
 was converted and why the rest was left.
@@ -159,8 +171,6 @@ class ConversionReport:
     __repr__ = __str__
 
 
-
-
 def convert_model(
     model: nn.Module,
     activation: str = "leaky_relu",
@@ -188,12 +198,15 @@ def convert_model(
             in-place layer with the identity activation (it then saves its
             output instead of its input, a buffer its consumer often saves
             anyway). False leaves such BatchNorms alone.
-        example_inputs: optional inputs (tuple) used to check the shapes and
-            dtypes of residual adds by running the model in eval mode under
-            ``torch.no_grad()`` (running statistics are not touched).
-            Without them, a tensor added to a BatchNorm output is assumed to
-            have its shape (a broadcasting add then raises a clear error in
-            the layer).
+        example_inputs: optional inputs (tuple). The traced graph is run on
+            them twice, on a copy of the model (its running statistics are not
+            touched), in training and in eval mode with gradients: the safety
+            rules are then judged from what each operation actually read,
+            wrote in place, returned and saved for backward (see the module
+            docstring), and the shapes and dtypes of residual adds are checked.
+            Without them, the rules use the operator tables, and a tensor
+            added to a BatchNorm output is assumed to have its shape (a
+            broadcasting add then raises a clear error in the layer).
         inplace: convert ``model`` itself (its BatchNorm weights are rewritten
             and its modules shared with the result) instead of a deep copy.
         return_report: also return the `ConversionReport`.
@@ -210,10 +223,11 @@ def convert_model(
     report = ConversionReport()
     gm = _trace(model, tracer, concrete_args, report)
     if example_inputs is not None:
-        _propagate_shapes(gm, example_inputs)
+        safety = analysis.RunSafety(gm, example_inputs)
         report.shapes_checked = True
-    _convert_graph(gm, analysis.StaticSafety(dict(gm.named_modules())), (activation, activation_param),
-                   residual, standalone, report)
+    else:
+        safety = analysis.StaticSafety(dict(gm.named_modules()))
+    _convert_graph(gm, safety, (activation, activation_param), residual, standalone, report)
     logger.info("convert_model: %s", report.summary())
     if return_report:
         return gm, report
@@ -238,20 +252,6 @@ def _trace(model: nn.Module, tracer, concrete_args, report: ConversionReport) ->
             "Make such modules leaves (tracer=...) or convert in the mode you will run")
         logger.warning("convert_model: %s", report.warnings[-1])
     return gm
-
-
-def _propagate_shapes(gm: fx.GraphModule, example_inputs) -> None:
-    """Shapes and dtypes into ``node.meta`` from an eval-mode, no-grad run (running statistics untouched)."""
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    modes = {m: m.training for m in gm.modules()}
-    try:
-        gm.eval()
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*example_inputs)
-    finally:
-        for m, t in modes.items():
-            m.training = t
 
 
 def _convert_graph(gm: fx.GraphModule, safety, relu_to, residual: bool, standalone: bool,
@@ -283,6 +283,7 @@ def _convert_graph(gm: fx.GraphModule, safety, relu_to, residual: bool, standalo
         layer, small = make_layer(modules[target], chosen.activation, chosen.param)
         analysis.set_submodule(gm, target, layer)
         modules[target] = layer
+        safety.converted(bn, chosen)
         _rewrite(gm, bn, chosen)
         report.converted.append(ConvertedLayer(target, chosen.pattern, chosen.activation, chosen.param,
                                                chosen.source, "; ".join(notes), small))
