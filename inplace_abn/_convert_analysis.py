@@ -282,17 +282,19 @@ def _reads_training(cls: type) -> bool:
 _READS_TRAINING: Dict[type, bool] = {}
 
 
+def has_batchnorm(m: nn.Module) -> bool:
+    """Whether ``m`` holds a BatchNorm module (not counting this package's layers)."""
+    return any(isinstance(s, nn.modules.batchnorm._BatchNorm) for s in m.modules())
+
+
 class _Tracer(fx.Tracer):
     """fx's default tracer, plus leaves: the package's own layers, and modules
-    without BatchNorm whose forward reads ``self.training`` (tracing into them
-    would freeze the mode they were traced in, e.g. torchvision's
-    StochasticDepth would keep dropping paths in eval mode)."""
+    whose forward reads ``self.training`` (tracing into them would freeze the
+    mode they were traced in, e.g. torchvision's StochasticDepth would keep
+    dropping paths in eval mode; one holding BatchNorms is converted on its own)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, ABN) or super().is_leaf_module(m, qualname):
-            return True
-        return _reads_training(type(m)) and not any(isinstance(s, nn.modules.batchnorm._BatchNorm)
-                                                    for s in m.modules())
+        return isinstance(m, ABN) or super().is_leaf_module(m, qualname) or _reads_training(type(m))
 
 
 def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args) -> Tuple[fx.Graph, nn.Module, bool]:

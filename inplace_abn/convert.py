@@ -70,15 +70,22 @@ The gradient for ``w'`` equals the BatchNorm's gradient for ``w`` (d g~ / d w'
 weight crossing zero makes g~ jump by 2 eps).
 
 Tracing. The default tracer keeps ``torch.nn`` modules and this package's
-layers as leaves, and also any module without BatchNorm whose ``forward``
-reads ``self.training`` (torchvision's ``StochasticDepth``): tracing into it
-would freeze the mode it was traced in. If the traced graph still depends on
-the mode, the report carries a warning. As with any ``torch.fx`` conversion,
-modules that the forward never calls are not part of the result. Without
-``example_inputs`` a tensor added to a BatchNorm output is assumed to have its
-shape (a broadcasting add then fails with the layer's clear shape error).
+layers as leaves, and also any module whose ``forward`` reads
+``self.training`` (torchvision's ``StochasticDepth``): tracing into it would
+freeze the mode it was traced in. Such a leaf that holds BatchNorms, like any
+leaf of a custom ``tracer`` that does, is converted on its own. A module whose
+traced graph still depends on the mode (the model's own ``forward`` reading
+``self.training``, e.g. torchvision's Inception3), or a submodule that
+torch.fx cannot trace, is kept as it is: each of its submodules is converted
+separately, and the BatchNorms its own forward calls are left (the report
+says so and carries a warning). The result is then that module, not a
+``GraphModule``. As with any ``torch.fx`` conversion, modules that a traced
+forward never calls are not part of the result. Without ``example_inputs`` a
+tensor added to a BatchNorm output is assumed to have its shape (a
+broadcasting add then fails with the layer's clear shape error).
 """
 import copy
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -89,6 +96,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation
+from .abn import ABN
 from . import _convert_analysis as analysis
 from ._convert_weights import bn_weight_to_signed, load_batchnorm_state_dict, make_layer
 
@@ -183,7 +191,7 @@ def convert_model(
     tracer: Optional[fx.Tracer] = None,
     concrete_args: Optional[Dict[str, Any]] = None,
     return_report: bool = False,
-) -> Union[fx.GraphModule, Tuple[fx.GraphModule, ConversionReport]]:
+) -> Union[nn.Module, Tuple[nn.Module, ConversionReport]]:
     """Rewrite BatchNorm (+ add) + activation chains of ``model`` as in-place layers.
 
     See the module docstring for the patterns and the safety rules.
@@ -214,49 +222,143 @@ def convert_model(
     Returns:
         A ``torch.fx.GraphModule`` (an ordinary ``nn.Module``: train it, save
         its ``state_dict``, switch it to eval) with the original parameter and
-        buffer names, and the report when ``return_report``. The report's
+        buffer names, and the report when ``return_report``. When the model's
+        own forward depends on the train/eval mode, the model itself (copied
+        unless ``inplace``) with its submodules converted. The report's
         summary is also logged (logger ``inplace_abn.convert``, level INFO).
     """
     _activation.check(activation, activation_param)
     if not inplace:
         model = copy.deepcopy(model)
-    report = ConversionReport()
-    gm = _trace(model, tracer, concrete_args, report)
-    if example_inputs is not None:
-        safety = analysis.RunSafety(gm, example_inputs)
-        report.shapes_checked = True
-    else:
-        safety = analysis.StaticSafety(dict(gm.named_modules()))
-    _convert_graph(gm, safety, (activation, activation_param), residual, standalone, report)
-    logger.info("convert_model: %s", report.summary())
+    job = _Job(ConversionReport(), (activation, activation_param), residual, standalone,
+               _module_inputs(model, example_inputs) if example_inputs is not None else None)
+    result = _convert(model, "", tracer, concrete_args, example_inputs, job)
+    logger.info("convert_model: %s", job.report.summary())
     if return_report:
-        return gm, report
-    return gm
+        return result, job.report
+    return result
 
 
-def _trace(model: nn.Module, tracer, concrete_args, report: ConversionReport) -> fx.GraphModule:
-    """The GraphModule of ``model``, its modules in their modes; a warning in
-    ``report`` when the graph depends on the mode."""
-    graph, root, mode_dependent = analysis.trace(model, tracer, concrete_args)
-    gm = fx.GraphModule(root, graph, model.__class__.__name__)
-    # GraphModule rebuilds the module tree above the leaves as plain Modules: keep their modes.
-    for qual, m in gm.named_modules():
+@dataclass
+class _Job:
+    """What one convert_model call carries through the module tree."""
+
+    report: ConversionReport
+    relu_to: Tuple[str, float]
+    residual: bool
+    standalone: bool
+    inputs: Optional[Dict[int, tuple]]  # id(module) -> its first inputs, with example_inputs
+    done: Dict[int, nn.Module] = field(default_factory=dict)  # id(module) -> its conversion
+
+
+def _module_inputs(model: nn.Module, example_inputs) -> Dict[int, tuple]:
+    """The inputs (positional, in signature order) each module holding a BatchNorm
+    receives at its first call in an eval-mode, no-grad run on the example
+    inputs, for the modules converted on their own."""
+    seen: Dict[int, tuple] = {}
+
+    def hook(module, args, kwargs):
+        if id(module) in seen:
+            return
         try:
-            m.training = model.get_submodule(qual).training if qual else model.training
+            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        except TypeError:
+            return
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in bound.signature.parameters.values()):
+            return
+        bound.apply_defaults()
+        seen[id(module)] = torch.utils._pytree.tree_map(
+            lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tuple(bound.arguments.values()))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if analysis.has_batchnorm(m) and not isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, t in modes.items():
+            m.training = t
+    return seen
+
+
+def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _Job) -> nn.Module:
+    """``module`` converted: a GraphModule, or ``module`` itself with its
+    submodules converted one by one when its forward depends on the train/eval
+    mode (or, below the top, cannot be traced)."""
+    where = f"{qual} ({type(module).__name__})" if qual else f"the model ({type(module).__name__})"
+    try:
+        graph, root, mode_dependent = analysis.trace(module, tracer, concrete_args)
+    except Exception as e:
+        if not qual:
+            raise
+        return _convert_children(module, qual, job, f"{where} cannot be traced by torch.fx "
+                                                    f"({type(e).__name__}: {e})")
+    if mode_dependent:
+        return _convert_children(module, qual, job, f"the forward of {where} depends on the train/eval mode "
+                                                    "(it reads self.training)")
+    gm = fx.GraphModule(root, graph, module.__class__.__name__)
+    # GraphModule rebuilds the module tree above the leaves as plain Modules: keep their modes.
+    for name, m in gm.named_modules():
+        try:
+            m.training = module.get_submodule(name).training if name else module.training
         except AttributeError:
             pass
-    if mode_dependent:
-        report.warnings.append(
-            f"the traced graph depends on the train/eval mode (a traced forward reads self.training): the "
-            f"converted model keeps the {'training' if model.training else 'eval'}-mode graph in both modes. "
-            "Make such modules leaves (tracer=...) or convert in the mode you will run")
-        logger.warning("convert_model: %s", report.warnings[-1])
+    if inputs is not None:
+        safety = analysis.RunSafety(gm, inputs)
+        job.report.shapes_checked = True
+    else:
+        safety = analysis.StaticSafety(dict(gm.named_modules()))
+    _convert_graph(gm, safety, job, f"{qual}." if qual else "")
+    # Leaves holding BatchNorms (modules whose forward reads self.training, or a
+    # custom tracer's leaves) are converted on their own.
+    for target in dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_module"):
+        leaf = gm.get_submodule(target)
+        if isinstance(leaf, (ABN, nn.modules.batchnorm._BatchNorm)) or not analysis.has_batchnorm(leaf):
+            continue
+        analysis.set_submodule(gm, target, _convert_once(leaf, f"{qual}.{target}" if qual else target, job))
     return gm
 
 
-def _convert_graph(gm: fx.GraphModule, safety, relu_to, residual: bool, standalone: bool,
-                   report: ConversionReport) -> None:
-    """Replace each convertible BatchNorm call of ``gm`` (and what it fuses) by an in-place layer."""
+def _convert_once(module: nn.Module, qual: str, job: _Job) -> nn.Module:
+    """`_convert` of a submodule, once per module object (a module registered twice stays one module)."""
+    if id(module) not in job.done:
+        inputs = None if job.inputs is None else job.inputs.get(id(module))
+        job.done[id(module)] = _convert(module, qual, None, None, inputs, job)
+    return job.done[id(module)]
+
+
+def _convert_children(module: nn.Module, qual: str, job: _Job, why: str) -> nn.Module:
+    """Keep ``module``'s own forward; convert each child holding BatchNorms on its
+    own, and leave (and report) the BatchNorms the forward calls directly."""
+    job.report.warnings.append(f"{why}: kept as it is, its submodules converted one by one")
+    logger.warning("convert_model: %s", job.report.warnings[-1])
+    _convert_members(module, qual, job, why)
+    return module
+
+
+def _convert_members(module: nn.Module, qual: str, job: _Job, why: str) -> None:
+    for name, child in module.named_children():
+        child_qual = f"{qual}.{name}" if qual else name
+        if isinstance(child, ABN) or not analysis.has_batchnorm(child):
+            continue
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            job.report.left.append(LeftLayer(child_qual, f"called by a forward kept as Python code: {why}"))
+        elif type(child).forward is nn.Module.forward:  # a container (ModuleList, ModuleDict): not called itself
+            _convert_members(child, child_qual, job, why)
+        else:
+            new = _convert_once(child, child_qual, job)
+            if new is not child:
+                setattr(module, name, new)
+
+
+def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
+    """Replace each convertible BatchNorm call of ``gm`` (and what it fuses) by an
+    in-place layer; ``prefix`` makes the reported names qualified in the model."""
+    report = job.report
     modules = dict(gm.named_modules())
     calls: Dict[str, int] = {}
     for n in gm.graph.nodes:
@@ -264,28 +366,29 @@ def _convert_graph(gm: fx.GraphModule, safety, relu_to, residual: bool, standalo
             calls[n.target] = calls.get(n.target, 0) + 1
     for bn in list(gm.graph.nodes):
         if bn.op == "call_function" and bn.target in (F.batch_norm, torch.batch_norm):
-            report.left.append(LeftLayer(bn.name, "functional batch_norm (no module to hold an in-place layer)"))
+            report.left.append(LeftLayer(prefix + bn.name,
+                                         "functional batch_norm (no module to hold an in-place layer)"))
             continue
         if bn.op != "call_module" or not isinstance(modules[bn.target], nn.modules.batchnorm._BatchNorm):
             continue
         target = bn.target
-        if calls[target] > 1 and any(x.name == target for x in report.left):
+        if calls[target] > 1 and any(x.name == prefix + target for x in report.left):
             continue  # reported at its first call
         reason = analysis.module_problem(bn, modules, calls) or safety.input_problem(bn)
         if reason:
-            report.left.append(LeftLayer(target, reason))
+            report.left.append(LeftLayer(prefix + target, reason))
             continue
-        candidates, notes = analysis.find_candidates(bn, modules, relu_to, residual, standalone)
+        candidates, notes = analysis.find_candidates(bn, modules, job.relu_to, job.residual, job.standalone)
         chosen = analysis.choose(bn, candidates, notes, safety)
         if chosen is None:
-            report.left.append(LeftLayer(target, "; ".join(notes) if notes else "nothing to fuse"))
+            report.left.append(LeftLayer(prefix + target, "; ".join(notes) if notes else "nothing to fuse"))
             continue
         layer, small = make_layer(modules[target], chosen.activation, chosen.param)
         analysis.set_submodule(gm, target, layer)
         modules[target] = layer
         safety.converted(bn, chosen)
         _rewrite(gm, bn, chosen)
-        report.converted.append(ConvertedLayer(target, chosen.pattern, chosen.activation, chosen.param,
+        report.converted.append(ConvertedLayer(prefix + target, chosen.pattern, chosen.activation, chosen.param,
                                                chosen.source, "; ".join(notes), small))
     gm.graph.lint()
     gm.delete_all_unused_submodules()

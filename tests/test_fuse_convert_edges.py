@@ -344,3 +344,73 @@ def test_run_safety_agrees_with_tables_on_known_models(training):
     assert [(c.name, c.pattern) for c in by_run.converted] == [(c.name, c.pattern) for c in by_table.converted]
     assert {x.name for x in by_run.left} == {x.name for x in by_table.left}
     _assert_equivalent(model, conv, x, training=training)
+
+
+# ---- convert_model on forwards that read self.training (item 6) ---------------------------
+
+
+class _ModeRoot(nn.Module):
+    """The model's own forward reads self.training."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LeakyReLU(0.1))
+        self.conv = nn.Conv2d(4, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = F.leaky_relu(self.bn(self.conv(self.stem(x))), 0.1)
+        return y * 2 if self.training else y
+
+
+class _ModeBlock(nn.Module):
+    """A block whose forward reads self.training, holding BatchNorms (one in a
+    Sequential, one called by the block's forward itself)."""
+
+    def __init__(self, C=4):
+        super().__init__()
+        self.unit = nn.Sequential(nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C), nn.LeakyReLU(0.1))
+        self.convs = nn.ModuleList([nn.Conv2d(C, C, 1)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(C)])
+
+    def forward(self, x):
+        y = self.bns[0](self.convs[0](self.unit(x)))
+        return y + (0.5 * x if self.training else x)
+
+
+class _ModeNested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.block = _ModeBlock()
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.block(F.elu(self.bn(self.stem(x)))))
+
+
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["tables", "run"])
+@pytest.mark.parametrize("make", [_ModeRoot, _ModeNested], ids=["root", "nested"])
+def test_convert_forward_reading_training_is_correct_in_both_modes(make, with_inputs):
+    """Before: the graph traced in one mode was kept for both (eval output 1.0
+    relative off for _ModeRoot, 0.5 for _ModeNested's block). Now a forward
+    that reads self.training stays Python code, its submodules are converted
+    one by one, and the BatchNorms it calls itself are left and reported."""
+    torch.manual_seed(0)
+    model = _randomize_bn(make()).double()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    conv, report = convert_model(model, example_inputs=(x,) if with_inputs else None, return_report=True)
+    if make is _ModeRoot:
+        assert [c.name for c in report.converted] == ["stem.1"]
+        assert [x.name for x in report.left] == ["bn"] and "self.training" in report.left[0].reason
+        assert type(conv) is _ModeRoot and isinstance(conv.stem.get_submodule("1"), InPlaceABN)
+    else:
+        assert [c.name for c in report.converted] == ["bn", "block.unit.1"]
+        assert [x.name for x in report.left] == ["block.bns.0"]
+        assert "block (_ModeBlock)" in report.left[0].reason
+        assert type(conv.block) is _ModeBlock and isinstance(conv.block.unit.get_submodule("1"), InPlaceABN)
+    assert any("self.training" in w for w in report.warnings)
+    assert set(conv.state_dict()) == set(model.state_dict())
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
