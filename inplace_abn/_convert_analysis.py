@@ -15,6 +15,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from . import _activation
 from .abn import ABN
+from .memory import _storage_key
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
@@ -445,12 +446,7 @@ def _tensors(value) -> List[torch.Tensor]:
 
 def _keys(value) -> set:
     """Storage identities of the tensors in ``value`` (empty storages left out)."""
-    out = set()
-    for t in _tensors(value):
-        s = t.untyped_storage()
-        if s.nbytes():
-            out.add((t.device, s.data_ptr()))
-    return out
+    return {key for key, nbytes in map(_storage_key, _tensors(value)) if nbytes}
 
 
 class _Recorder(ShapeProp):

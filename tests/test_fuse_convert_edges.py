@@ -158,7 +158,7 @@ torchvision = pytest.importorskip("torchvision")
 
 from inplace_abn import _convert_analysis as analysis  # noqa: E402
 from inplace_abn.convert import convert_model  # noqa: E402
-from test_convert import Awkward, _assert_equivalent, _randomize_bn  # noqa: E402
+from test_convert import Awkward, ModeDependent, _assert_equivalent, _randomize_bn  # noqa: E402
 
 
 def _saves_or_aliases(fn, *args, module=None, frozen=()):
@@ -247,12 +247,7 @@ def test_fresh_operator_tables_agree_with_autograd():
         assert _saves_or_aliases(lambda t: getattr(t, method)(), a)[1], method
 
 
-class _Expanded(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 1)
-        self.bn = nn.BatchNorm2d(4)
-
+class _Expanded(ModeDependent):  # its conv and bn
     def forward(self, x):
         return F.leaky_relu(self.bn(self.conv(x).expand(3, 4, 5, 5)), 0.1)
 
