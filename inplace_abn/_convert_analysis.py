@@ -4,6 +4,7 @@ of `inplace_abn.convert` for the rules)."""
 import copy
 import inspect
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -283,6 +284,25 @@ def _reads_training(cls: type) -> bool:
 _READS_TRAINING: Dict[type, bool] = {}
 
 
+def reached_into(cls: type) -> Optional[set]:
+    """Names of attributes whose own attributes or items' attributes the code
+    of ``cls`` uses (``self.block.bn``, ``self.blocks[0].bn``,
+    ``self.heads.items()``), and ``name[]`` for those it indexes
+    (``self.block[1]``), from the source of every class of its MRO below nn.Module; None when a
+    source is unavailable (then anything may be reached)."""
+    names: set = set()
+    for c in cls.__mro__:
+        if c in (nn.Module, object) or c.__module__.startswith("torch.nn."):
+            continue
+        try:
+            src = inspect.getsource(c)
+        except (OSError, TypeError):
+            return None
+        names |= set(re.findall(r"self\.(\w+)\.", src)) | set(re.findall(r"self\.(\w+)\[[^\]]*\]\.", src))
+        names |= {f"{n}[]" for n in re.findall(r"self\.(\w+)\[", src)}
+    return names
+
+
 def has_batchnorm(m: nn.Module) -> bool:
     """Whether ``m`` holds a BatchNorm module (not counting this package's layers)."""
     return any(isinstance(s, nn.modules.batchnorm._BatchNorm) for s in m.modules())
@@ -353,6 +373,9 @@ def module_problem(bn: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, 
         return "lazy module not initialised yet"
     if calls[bn.target] > 1:
         return f"the module is called {calls[bn.target]} times"
+    owner = next((t for t in calls if bn.target.startswith(t + ".")), None)
+    if owner is not None:
+        return f"it belongs to {owner}, called as a whole too (its forward may call the module as well)"
     if len(bn.args) != 1 or bn.kwargs or not isinstance(bn.args[0], fx.Node):
         return "unexpected call arguments"
     return None

@@ -78,8 +78,10 @@ traced graph still depends on the mode (the model's own ``forward`` reading
 ``self.training``, e.g. torchvision's Inception3), or a submodule that
 torch.fx cannot trace, is kept as it is: each of its submodules is converted
 separately, and the BatchNorms its own forward calls are left (the report
-says so and carries a warning). The result is then that module, not a
-``GraphModule``. As with any ``torch.fx`` conversion, modules that a traced
+says so and carries a warning). A submodule whose insides its code uses
+(``self.block.bn``, ``self.block[1]``: found in the class's source) is kept
+the same way, and a BatchNorm called by two traced forwards is left. The
+result is then that module, not a ``GraphModule``. As with any ``torch.fx`` conversion, modules that a traced
 forward never calls are not part of the result. Without ``example_inputs`` a
 tensor added to a BatchNorm output is assumed to have its shape (a
 broadcasting add then fails with the layer's clear shape error).
@@ -206,9 +208,11 @@ def convert_model(
             in-place layer with the identity activation (it then saves its
             output instead of its input, a buffer its consumer often saves
             anyway). False leaves such BatchNorms alone.
-        example_inputs: optional inputs (tuple). The traced graph is run on
-            them twice, on a copy of the model (its running statistics are not
-            touched), in training and in eval mode with gradients: the safety
+        example_inputs: optional inputs (tuple). The model runs on them once
+            in eval mode without gradients (to record what each submodule
+            converted on its own receives), and the traced graph twice, on a
+            copy of the model, in training and in eval mode with gradients
+            (the model's running statistics are not touched): the safety
             rules are then judged from what each operation actually read,
             wrote in place, returned and saved for backward (see the module
             docstring), and the shapes and dtypes of residual adds are checked.
@@ -249,6 +253,7 @@ class _Job:
     standalone: bool
     inputs: Optional[Dict[int, tuple]]  # id(module) -> its first inputs, with example_inputs
     done: Dict[int, nn.Module] = field(default_factory=dict)  # id(module) -> its conversion
+    calls: Dict[int, int] = field(default_factory=dict)  # id(module) -> calls in all the graphs traced so far
 
 
 def _module_inputs(model: nn.Module, example_inputs) -> Dict[int, tuple]:
@@ -300,6 +305,10 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
     if mode_dependent:
         return _convert_children(module, qual, job, f"the forward of {where} depends on the train/eval mode "
                                                     "(it reads self.training)")
+    for n in graph.nodes:
+        if n.op == "call_module":
+            key = id(root.get_submodule(n.target))
+            job.calls[key] = job.calls.get(key, 0) + 1
     gm = fx.GraphModule(root, graph, module.__class__.__name__)
     # GraphModule rebuilds the module tree above the leaves as plain Modules: keep their modes.
     for name, m in gm.named_modules():
@@ -340,15 +349,25 @@ def _convert_children(module: nn.Module, qual: str, job: _Job, why: str) -> nn.M
     return module
 
 
-def _convert_members(module: nn.Module, qual: str, job: _Job, why: str) -> None:
+def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_all: bool = False) -> None:
+    """Convert each child of ``module`` holding BatchNorms on its own; a child
+    whose submodules ``module``'s code uses directly (or, ``reach_all``, any
+    child) is kept as it is too, its own children converted one by one."""
+    reached = None if reach_all else analysis.reached_into(type(module))
     for name, child in module.named_children():
         child_qual = f"{qual}.{name}" if qual else name
         if isinstance(child, ABN) or not analysis.has_batchnorm(child):
             continue
+        container = type(child).forward is nn.Module.forward  # ModuleList, ModuleDict: not called itself
+        inside = reached is None or name in reached or (not container and f"{name}[]" in reached)
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             job.report.left.append(LeftLayer(child_qual, f"called by a forward kept as Python code: {why}"))
-        elif type(child).forward is nn.Module.forward:  # a container (ModuleList, ModuleDict): not called itself
-            _convert_members(child, child_qual, job, why)
+        elif container:
+            _convert_members(child, child_qual, job, why, reach_all=inside)
+        elif inside:
+            _convert_children(child, child_qual, job, f"the code of {qual or 'the model'} "
+                                                      f"({type(module).__name__}) may use the submodules of "
+                                                      f"{child_qual} directly")
         else:
             new = _convert_once(child, child_qual, job)
             if new is not child:
@@ -372,9 +391,12 @@ def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
         if bn.op != "call_module" or not isinstance(modules[bn.target], nn.modules.batchnorm._BatchNorm):
             continue
         target = bn.target
-        if calls[target] > 1 and any(x.name == prefix + target for x in report.left):
-            continue  # reported at its first call
-        reason = analysis.module_problem(bn, modules, calls) or safety.input_problem(bn)
+        if any(x.name == prefix + target for x in report.left):
+            continue  # reported at its first call, or from the graph of a module holding it
+        elsewhere = job.calls.get(id(modules[target]), 0) - calls[target]
+        reason = analysis.module_problem(bn, modules, calls) or (
+            f"it is also called by another traced forward ({elsewhere} call{'s' if elsewhere > 1 else ''})"
+            if elsewhere > 0 else None) or safety.input_problem(bn)
         if reason:
             report.left.append(LeftLayer(prefix + target, reason))
             continue

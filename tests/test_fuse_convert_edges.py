@@ -409,3 +409,55 @@ def test_convert_forward_reading_training_is_correct_in_both_modes(make, with_in
     assert set(conv.state_dict()) == set(model.state_dict())
     for training in (True, False):
         _assert_equivalent(model, conv, x, training=training)
+
+
+def test_convert_batchnorm_inside_a_leaf_called_directly_is_left():
+    """A forward that calls a mode-dependent block and also a BatchNorm inside
+    it: the block's own forward calls that BatchNorm too, so converting it
+    (fused with the outer activation) would change the block."""
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = _ModeBlock()
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            y = self.block(x)
+            return F.leaky_relu(self.block.unit[1](self.conv(y)), 0.1)
+
+    torch.manual_seed(0)
+    model = _randomize_bn(Outer()).double()
+    conv, report = convert_model(model, return_report=True)
+    left = {x.name: x.reason for x in report.left}
+    assert "belongs to block" in left["block.unit.1"], left
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
+
+
+def test_convert_python_forward_reaching_into_a_submodule_keeps_it():
+    """A forward kept as Python code (it reads self.training) that calls a
+    BatchNorm inside its child as well as the child: the child is not
+    converted on its own (its BatchNorm would become a fused in-place layer
+    under the forward's direct call)."""
+
+    class ReachIn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.LeakyReLU(0.1))
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            y = self.block(x)
+            y = self.block[1](self.conv(y))  # the block's BatchNorm, called directly
+            return y * 2 if self.training else y
+
+    torch.manual_seed(0)
+    model = _randomize_bn(ReachIn()).double()
+    conv, report = convert_model(model, return_report=True)
+    assert not report.converted
+    assert [x.name for x in report.left] == ["block.1"] and "directly" in report.left[0].reason
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
