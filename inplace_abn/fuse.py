@@ -10,7 +10,10 @@ with g~ = |gamma| + eps ("abs") or sign(gamma)(|gamma| + eps) ("signed";
 stock `ABN` uses gamma itself). `FoldedABN` holds scale and shift as
 buffers and evaluates this with multiply, add and the stock activation: no
 custom operator, nothing in place, and a torch.export or ONNX graph of
-``Mul, Add, LeakyRelu`` (or Elu, Sigmoid+Mul, Relu).
+``Mul, Add, LeakyRelu`` (or Elu, Sigmoid+Mul, Relu). One exception keeps the
+model's meaning: an in-place layer overwrote its input, so where something
+may read that input afterwards (seen in a torch.fx trace; always, when the
+model cannot be traced) its `FoldedABN` writes the result into it too.
 
 When the layer's input is the output of a convolution used by nothing else,
 scale and shift go into the convolution's weight and bias instead, and the
@@ -45,16 +48,19 @@ class FoldedABN(nn.Module):
     ``scale`` and ``shift`` are (C,) buffers, or None when they were folded
     into the preceding convolution (the module is then the activation alone).
     ``forward(x, residual=None)`` takes the arguments of the layer it replaces
-    and returns a new tensor (x is not overwritten).
+    and returns a new tensor (x is not overwritten), or, with ``write_input``,
+    writes the result into x and returns x, as the in-place layer it replaces
+    did (used where something may read x afterwards).
     """
 
     def __init__(self, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], activation: str = "identity",
-                 activation_param: float = 0.01):
+                 activation_param: float = 0.01, write_input: bool = False):
         super().__init__()
         self.register_buffer("scale", scale)
         self.register_buffer("shift", shift)
         self.activation = activation
         self.activation_param = activation_param
+        self.write_input = write_input
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         z = x
@@ -63,12 +69,14 @@ class FoldedABN(nn.Module):
             z = z * self.scale.view(shape) + self.shift.view(shape)
         if residual is not None:
             z = z + residual
-        return _activation.apply(z, self.activation, self.activation_param)
+        y = _activation.apply(z, self.activation, self.activation_param)
+        return x.copy_(y) if self.write_input else y
 
     def extra_repr(self) -> str:
         folded = "" if self.scale is not None else ", folded into the convolution"
         param = f"[{self.activation_param}]" if self.activation in ("leaky_relu", "elu") else ""
-        return f"activation={self.activation}{param}{folded}"
+        written = ", writes its input" if self.write_input else ""
+        return f"activation={self.activation}{param}{folded}{written}"
 
 
 def _scale_shift(layer: ABN):
@@ -176,8 +184,10 @@ def _conv_pairs_sequential(model: nn.Module):
     return pairs
 
 
-def _conv_pairs_fx(model: nn.Module):
-    """(conv, layer, None) for pairs proven by a torch.fx trace, or None if the model does not trace."""
+def _analyse_fx(model: nn.Module):
+    """From a torch.fx trace: (pairs, silent), the (conv, layer, None) pairs
+    proven foldable and the ids of in-place layers whose overwriting of their
+    input nothing reads afterwards; None if the model does not trace."""
     import torch.fx
 
     class _Tracer(torch.fx.Tracer):
@@ -188,6 +198,7 @@ def _conv_pairs_fx(model: nn.Module):
         graph = _Tracer().trace(model)
     except Exception:  # dynamic control flow etc.: fall back to nn.Sequential analysis
         return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
     calls = {}
     read_params = set()  # modules whose parameters the forward reads directly (F.conv2d(x, self.conv.weight))
     for node in graph.nodes:
@@ -195,12 +206,27 @@ def _conv_pairs_fx(model: nn.Module):
             calls.setdefault(node.target, []).append(node)
         elif node.op == "get_attr":
             read_params.add(node.target.rpartition(".")[0])
-    pairs = []
+
+    def observed(x, reader) -> bool:
+        """Whether anything may read ``x`` (or what it aliases) after ``reader`` overwrites it."""
+        if not isinstance(x, torch.fx.Node) or any(order[u] > order[reader] for u in x.users if u is not reader):
+            return True
+        if x.op == "call_module":
+            m = model.get_submodule(x.target)
+            if isinstance(m, _CONVS + (nn.Linear,)):
+                return False
+            if isinstance(m, InPlaceABN) and x.args:  # its output is its input
+                return observed(x.args[0], x)
+        return True  # a model input, a parameter, or an operation that may return a view
+
+    pairs, silent, heard = [], set(), set()
     for node in graph.nodes:
-        if node.op != "call_module" or len(calls[node.target]) != 1:
+        if node.op != "call_module":
             continue
         layer = model.get_submodule(node.target)
-        if not _foldable(layer) or not node.args:
+        if isinstance(layer, InPlaceABN):
+            (heard if not node.args or observed(node.args[0], node) else silent).add(id(layer))
+        if len(calls[node.target]) != 1 or not _foldable(layer) or not node.args:
             continue
         src = node.args[0]
         if not (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(calls[src.target]) == 1):
@@ -212,7 +238,7 @@ def _conv_pairs_fx(model: nn.Module):
         if len(src.users) != 1 or node.args.count(src) != 1 or src in node.kwargs.values():
             continue
         pairs.append((conv, layer, None))
-    return pairs
+    return pairs, silent - heard
 
 
 def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool = False) -> nn.Module:
@@ -246,12 +272,9 @@ def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool =
         scale, shift = _scale_shift(model)
         dtype = model.running_mean.dtype
         return FoldedABN(scale.to(dtype), shift.to(dtype), model.activation, model.activation_param)
-    into_conv = {}
-    if fold_conv:
-        pairs = _conv_pairs_fx(model)
-        if pairs is None:
-            pairs = _conv_pairs_sequential(model)
-        into_conv = {id(layer): (conv, guard) for conv, layer, guard in pairs}
+    facts = _analyse_fx(model)
+    pairs, silent = facts if facts is not None else (_conv_pairs_sequential(model), set())
+    into_conv = {id(layer): (conv, guard) for conv, layer, guard in pairs} if fold_conv else {}
     for parent in list(model.modules()):
         for name, layer in list(parent.named_children()):
             if not _foldable(layer):
@@ -264,8 +287,10 @@ def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool =
                 if guard is not None:  # proven by an nn.Sequential only: refuse any other use at run time
                     guard[0].install(guard[1], conv, folded)
             else:
+                # An in-place layer overwrote x: keep doing so unless the graph shows nothing reads x later.
+                write = isinstance(layer, InPlaceABN) and id(layer) not in silent
                 dtype = layer.running_mean.dtype
-                folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param)
+                folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param, write)
             folded.train(False)
             setattr(parent, name, folded)
     return model

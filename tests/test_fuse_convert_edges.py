@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from inplace_abn import ABN, FoldedABN, InPlaceABN, fuse_for_inference
-from reference import rel_err
+from reference import effective_weight, rel_err
 
 # ---- fuse_for_inference on a model torch.fx cannot trace (item 5) -------------------------
 
@@ -32,8 +32,9 @@ def _randomise_abn(model, seed=0):
 
 
 def _stock_abn(layer, h):
-    """Stock eval-mode BatchNorm + activation of an ABN (weight used as it is)."""
-    z = F.batch_norm(h, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, 0.0, layer.eps)
+    """Stock eval-mode BatchNorm + activation of an ABN (weight used as it is) or InPlaceABN (its g~)."""
+    w = effective_weight(layer.weight, layer.eps, layer.weight_mode) if isinstance(layer, InPlaceABN) else layer.weight
+    z = F.batch_norm(h, layer.running_mean, layer.running_var, w, layer.bias, False, 0.0, layer.eps)
     return F.leaky_relu(z, layer.activation_param)
 
 
@@ -41,10 +42,10 @@ class _Untraceable(nn.Module):
     """A conv + ABN pair inside an nn.Sequential, data-dependent control flow
     (torch.fx cannot trace it), and the conv used outside the Sequential too."""
 
-    def __init__(self, use):
+    def __init__(self, use, layer=ABN):
         super().__init__()
         self.use = use
-        self.seq = nn.Sequential(nn.Conv2d(3, 4, 1), ABN(4, activation="leaky_relu", activation_param=0.1))
+        self.seq = nn.Sequential(nn.Conv2d(3, 4, 1), layer(4, activation="leaky_relu", activation_param=0.1))
 
     def forward(self, x):
         if x.sum() > -1e9:  # data-dependent: torch.fx cannot trace this
@@ -60,15 +61,19 @@ class _Untraceable(nn.Module):
         conv, abn = self.seq
         h = conv(x)
         y = _stock_abn(abn, h)
-        return y + h if self.use in ("read_twice", "conv_alone") else y
+        if self.use == "read_twice":  # an in-place layer overwrote h with y
+            return y + (y if isinstance(abn, InPlaceABN) else h)
+        return y + h if self.use == "conv_alone" else y
 
 
+@pytest.mark.parametrize("layer", [ABN, InPlaceABN])
 @pytest.mark.parametrize("use", ["read_twice", "conv_alone"])
-def test_fuse_untraceable_conv_used_outside_sequential_refuses(use):
+def test_fuse_untraceable_conv_used_outside_sequential_refuses(use, layer):
     """Before: the conv was folded (the Sequential 'proved' it) and the output
-    was off by 2.2 (relative), silently. Now the folded pair refuses to run
-    outside its Sequential; without conv folding the result is exact."""
-    model = _randomise_abn(_Untraceable(use)).double()
+    was off by 2.2 (relative; 34 with InPlaceABN), silently. Now the folded
+    pair refuses to run outside its Sequential; without conv folding the
+    result is exact (an in-place layer's input is overwritten, as before)."""
+    model = _randomise_abn(_Untraceable(use, layer)).double()
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     with torch.no_grad():
         ref = model.reference(x)
@@ -129,6 +134,36 @@ def test_fuse_untraceable_shared_conv_or_custom_sequential_not_folded():
             fused = fuse_for_inference(model)
             assert fused.seq[1].scale is not None
             assert rel_err(fused(x), ref) < 1e-12
+
+
+@pytest.mark.parametrize("fold_conv", [True, False])
+def test_fuse_traced_inplace_layer_input_read_again(fold_conv):
+    """fx path: an InPlaceABN whose input (a conv output) is read again after
+    it: that reader saw the layer's output. Before: the folded layer left the
+    input alone (1.26 relative off). Now it writes its input, as the layer did;
+    where nothing reads the input again, nothing is written."""
+
+    class ReadAgain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.conv2 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1)
+            self.abn = InPlaceABN(4, activation="leaky_relu", activation_param=0.1)
+            self.abn2 = InPlaceABN(4, activation="leaky_relu", activation_param=0.1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            y = self.abn(h) + h  # h is y here
+            return self.abn2(self.conv2(y))
+
+    model = _randomise_abn(ReadAgain()).double()
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        y = _stock_abn(model.abn, model.conv(x))
+        ref = _stock_abn(model.abn2, model.conv2(y + y))
+        fused = fuse_for_inference(model, fold_conv=fold_conv)
+        assert fused.abn.write_input and not fused.abn2.write_input
+        assert (fused.abn2.scale is None) == fold_conv
+        assert rel_err(fused(x), ref) < 1e-12
 
 
 def test_fuse_traced_conv_weight_read_directly_not_folded():
