@@ -14,21 +14,13 @@ import torch.nn.functional as F
 
 from inplace_abn import ABN, FoldedABN, InPlaceABN, fuse_for_inference
 from reference import effective_weight, rel_err
+from test_compile import _randomise
 
 # ---- fuse_for_inference on a model torch.fx cannot trace (item 5) -------------------------
 
 
-def _randomise_abn(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, ABN):
-                C = m.num_features
-                m.weight.copy_(torch.rand(C, generator=g, dtype=m.weight.dtype) + 0.5)
-                m.bias.copy_(torch.randn(C, generator=g, dtype=m.bias.dtype))
-                m.running_mean.copy_(torch.randn(C, generator=g, dtype=m.running_mean.dtype))
-                m.running_var.copy_(torch.rand(C, generator=g, dtype=m.running_var.dtype) + 0.5)
-    return model.eval()
+def _randomise_abn(model):
+    return _randomise(model).eval()
 
 
 def _stock_abn(layer, h):
