@@ -53,6 +53,8 @@ class FoldedABN(nn.Module):
     did (used where something may read x afterwards).
     """
 
+    write_input = False  # default for modules pickled before the attribute existed
+
     def __init__(self, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], activation: str = "identity",
                  activation_param: float = 0.01, write_input: bool = False):
         super().__init__()
