@@ -10,7 +10,10 @@ with g~ = |gamma| + eps ("abs") or sign(gamma)(|gamma| + eps) ("signed";
 stock `ABN` uses gamma itself). `FoldedABN` holds scale and shift as
 buffers and evaluates this with multiply, add and the stock activation: no
 custom operator, nothing in place, and a torch.export or ONNX graph of
-``Mul, Add, LeakyRelu`` (or Elu, Sigmoid+Mul, Relu).
+``Mul, Add, LeakyRelu`` (or Elu, Sigmoid+Mul, Relu). One exception keeps the
+model's meaning: an in-place layer overwrote its input, so where something
+may read that input afterwards (seen in a torch.fx trace; always, when the
+model cannot be traced) its `FoldedABN` writes the result into it too.
 
 When the layer's input is the output of a convolution used by nothing else,
 scale and shift go into the convolution's weight and bias instead, and the
@@ -18,15 +21,20 @@ layer becomes its activation alone (``Conv, LeakyRelu``). "Used by nothing
 else" is proven, not assumed: inside an ``nn.Sequential`` (a Conv directly
 followed by the layer), or from a ``torch.fx`` trace of the model in which
 the convolution and the layer are each called once and the layer is the
-convolution's only user. Models that torch.fx cannot trace are still folded,
-only without the convolution step outside Sequentials.
+convolution's only user. In a model that torch.fx cannot trace the graph is
+unknown: only a Conv directly followed by the layer inside a stock
+``nn.Sequential`` (its ``forward`` not overridden, neither module registered
+anywhere else) is folded, and that fold is guarded: the folded convolution and
+activation raise a RuntimeError when called other than as that pair inside the
+Sequential's own ``forward`` (a conv also called alone, or its output read by
+anything but the layer, would otherwise be silently wrong). Every other layer
+becomes a scale/shift `FoldedABN`, which is exact whatever the graph.
 """
 import copy
 from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import _activation
 from .abn import ABN, InPlaceABN
@@ -40,16 +48,21 @@ class FoldedABN(nn.Module):
     ``scale`` and ``shift`` are (C,) buffers, or None when they were folded
     into the preceding convolution (the module is then the activation alone).
     ``forward(x, residual=None)`` takes the arguments of the layer it replaces
-    and returns a new tensor (x is not overwritten).
+    and returns a new tensor (x is not overwritten), or, with ``write_input``,
+    writes the result into x and returns x, as the in-place layer it replaces
+    did (used where something may read x afterwards).
     """
 
+    write_input = False  # default for modules pickled before the attribute existed
+
     def __init__(self, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], activation: str = "identity",
-                 activation_param: float = 0.01):
+                 activation_param: float = 0.01, write_input: bool = False):
         super().__init__()
         self.register_buffer("scale", scale)
         self.register_buffer("shift", shift)
         self.activation = activation
         self.activation_param = activation_param
+        self.write_input = write_input
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         z = x
@@ -58,12 +71,14 @@ class FoldedABN(nn.Module):
             z = z * self.scale.view(shape) + self.shift.view(shape)
         if residual is not None:
             z = z + residual
-        return _activation.apply(z, self.activation, self.activation_param)
+        y = _activation.apply(z, self.activation, self.activation_param)
+        return x.copy_(y) if self.write_input else y
 
     def extra_repr(self) -> str:
         folded = "" if self.scale is not None else ", folded into the convolution"
         param = f"[{self.activation_param}]" if self.activation in ("leaky_relu", "elu") else ""
-        return f"activation={self.activation}{param}{folded}"
+        written = ", writes its input" if self.write_input else ""
+        return f"activation={self.activation}{param}{folded}{written}"
 
 
 def _scale_shift(layer: ABN):
@@ -102,20 +117,79 @@ def _fold_into_conv(conv: nn.Module, scale: torch.Tensor, shift: torch.Tensor) -
     conv.bias = nn.Parameter(new_b, requires_grad=w.requires_grad)
 
 
+class _SequentialFoldGuard:
+    """Forward hooks that keep a fold made without a graph honest.
+
+    ``conv`` was folded into ``layer`` because ``seq`` (a stock nn.Sequential)
+    calls them one after the other. That is equivalent only while the conv is
+    called by ``seq.forward`` and its output goes to ``layer`` alone, which
+    the Sequential's own loop guarantees. Any other call raises. (A module-level
+    class, so the hooks pickle and deep-copy with the model.)
+    """
+
+    def __init__(self, seq: str, conv: str, layer: str):
+        self.names = (seq, conv, layer)
+        self.depth = 0  # how many seq.forward calls are running
+        self.pending = None  # the conv output the layer must receive next
+
+    def _refuse(self, what: str):
+        seq, conv, layer = self.names
+        raise RuntimeError(
+            f"fuse_for_inference folded convolution '{conv}' into '{layer}' because they follow each other in "
+            f"nn.Sequential '{seq}' (the model could not be traced by torch.fx), but {what}: that fold is not "
+            "valid for this model. Fuse with fold_conv=False, or make the model traceable by torch.fx")
+
+    def seq_enter(self, module, args):
+        self.depth += 1
+        self.pending = None
+
+    def seq_exit(self, module, args, output):
+        self.depth -= 1
+        self.pending = None
+
+    def conv_enter(self, module, args):
+        if self.depth == 0:
+            self._refuse("the convolution was called outside that Sequential")
+
+    def conv_exit(self, module, args, output):
+        self.pending = output
+
+    def layer_enter(self, module, args):
+        if self.depth == 0 or self.pending is None or not args or args[0] is not self.pending:
+            self._refuse("the layer was called other than on the convolution's output inside that Sequential")
+        self.pending = None
+
+    def install(self, seq: nn.Module, conv: nn.Module, layer: nn.Module) -> None:
+        seq.register_forward_pre_hook(self.seq_enter)
+        seq.register_forward_hook(self.seq_exit, always_call=True)
+        conv.register_forward_pre_hook(self.conv_enter)
+        conv.register_forward_hook(self.conv_exit)
+        layer.register_forward_pre_hook(self.layer_enter)
+
+
 def _conv_pairs_sequential(model: nn.Module):
-    """(conv, layer) pairs where the layer directly follows the conv in an nn.Sequential."""
+    """(conv, layer, (guard, seq)) for each layer directly following a conv in a stock
+    nn.Sequential, both registered nowhere else (see the module docstring)."""
+    seen = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        seen[id(m)] = seen.get(id(m), 0) + 1
     pairs = []
-    for seq in model.modules():
-        if isinstance(seq, nn.Sequential):
-            mods = list(seq)
-            for a, b in zip(mods, mods[1:]):
-                if isinstance(a, _CONVS) and _foldable(b):
-                    pairs.append((a, b))
+    for seq_name, seq in model.named_modules():
+        if not isinstance(seq, nn.Sequential) or type(seq).forward is not nn.Sequential.forward:
+            continue
+        items = list(seq.named_children())
+        for (a_name, a), (b_name, b) in zip(items, items[1:]):
+            if isinstance(a, _CONVS) and _foldable(b) and seen[id(a)] == 1 and seen[id(b)] == 1:
+                prefix = f"{seq_name}." if seq_name else ""
+                guard = _SequentialFoldGuard(seq_name or "(the model)", prefix + a_name, prefix + b_name)
+                pairs.append((a, b, (guard, seq)))
     return pairs
 
 
-def _conv_pairs_fx(model: nn.Module):
-    """(conv, layer) pairs proven by a torch.fx trace, or None if the model does not trace."""
+def _analyse_fx(model: nn.Module):
+    """From a torch.fx trace: (pairs, silent), the (conv, layer, None) pairs
+    proven foldable and the ids of in-place layers whose overwriting of their
+    input nothing reads afterwards; None if the model does not trace."""
     import torch.fx
 
     class _Tracer(torch.fx.Tracer):
@@ -126,28 +200,47 @@ def _conv_pairs_fx(model: nn.Module):
         graph = _Tracer().trace(model)
     except Exception:  # dynamic control flow etc.: fall back to nn.Sequential analysis
         return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
     calls = {}
+    read_params = set()  # modules whose parameters the forward reads directly (F.conv2d(x, self.conv.weight))
     for node in graph.nodes:
         if node.op == "call_module":
             calls.setdefault(node.target, []).append(node)
-    pairs = []
+        elif node.op == "get_attr":
+            read_params.add(node.target.rpartition(".")[0])
+
+    def observed(x, reader) -> bool:
+        """Whether anything may read ``x`` (or what it aliases) after ``reader`` overwrites it."""
+        if not isinstance(x, torch.fx.Node) or any(order[u] > order[reader] for u in x.users if u is not reader):
+            return True
+        if x.op == "call_module":
+            m = model.get_submodule(x.target)
+            if isinstance(m, _CONVS + (nn.Linear,)):
+                return False
+            if isinstance(m, InPlaceABN) and x.args:  # its output is its input
+                return observed(x.args[0], x)
+        return True  # a model input, a parameter, or an operation that may return a view
+
+    pairs, silent, heard = [], set(), set()
     for node in graph.nodes:
-        if node.op != "call_module" or len(calls[node.target]) != 1:
+        if node.op != "call_module":
             continue
         layer = model.get_submodule(node.target)
-        if not _foldable(layer) or not node.args:
+        if isinstance(layer, InPlaceABN):
+            (heard if not node.args or observed(node.args[0], node) else silent).add(id(layer))
+        if len(calls[node.target]) != 1 or not _foldable(layer) or not node.args:
             continue
         src = node.args[0]
         if not (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(calls[src.target]) == 1):
             continue
         conv = model.get_submodule(src.target)
-        if not isinstance(conv, _CONVS):
+        if not isinstance(conv, _CONVS) or src.target in read_params:
             continue
         # The layer must be the conv output's only user, and use it only as x.
         if len(src.users) != 1 or node.args.count(src) != 1 or src in node.kwargs.values():
             continue
-        pairs.append((conv, layer))
-    return pairs
+        pairs.append((conv, layer, None))
+    return pairs, silent - heard
 
 
 def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool = False) -> nn.Module:
@@ -181,24 +274,25 @@ def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool =
         scale, shift = _scale_shift(model)
         dtype = model.running_mean.dtype
         return FoldedABN(scale.to(dtype), shift.to(dtype), model.activation, model.activation_param)
-    into_conv = {}
-    if fold_conv:
-        pairs = _conv_pairs_fx(model)
-        if pairs is None:
-            pairs = _conv_pairs_sequential(model)
-        into_conv = {id(layer): conv for conv, layer in pairs}
+    facts = _analyse_fx(model)
+    pairs, silent = facts if facts is not None else (_conv_pairs_sequential(model), set())
+    into_conv = {id(layer): (conv, guard) for conv, layer, guard in pairs} if fold_conv else {}
     for parent in list(model.modules()):
         for name, layer in list(parent.named_children()):
             if not _foldable(layer):
                 continue
             scale, shift = _scale_shift(layer)
-            conv = into_conv.get(id(layer))
+            conv, guard = into_conv.get(id(layer), (None, None))
             if conv is not None:
                 _fold_into_conv(conv, scale, shift)
                 folded = FoldedABN(None, None, layer.activation, layer.activation_param)
+                if guard is not None:  # proven by an nn.Sequential only: refuse any other use at run time
+                    guard[0].install(guard[1], conv, folded)
             else:
+                # An in-place layer overwrote x: keep doing so unless the graph shows nothing reads x later.
+                write = isinstance(layer, InPlaceABN) and id(layer) not in silent
                 dtype = layer.running_mean.dtype
-                folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param)
+                folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param, write)
             folded.train(False)
             setattr(parent, name, folded)
     return model

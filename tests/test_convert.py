@@ -348,10 +348,17 @@ class ModeDependent(nn.Module):
 
 
 def test_mode_dependent_graph_is_reported():
-    conv, report = convert_model(ModeDependent(), return_report=True)
-    assert report.counts()["bn+act"] == 1
+    """A forward reading self.training is not frozen into one mode's graph: it
+    stays Python code, and the BatchNorm it calls is left (see
+    test_fuse_convert_edges.py for models with convertible submodules)."""
+    model = _randomize_bn(ModeDependent()).double()
+    conv, report = convert_model(model, return_report=True)
+    assert report.counts() == {"left": 1} and "self.training" in report.left[0].reason
     assert len(report.warnings) == 1 and "train/eval mode" in report.warnings[0]
     assert "warning:" in str(report)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
     _, clean = convert_model(torchvision.models.efficientnet_b0(), return_report=True)
     assert not clean.warnings  # StochasticDepth is kept as a leaf, so it still follows train()/eval()
 

@@ -1,0 +1,591 @@
+"""Graph analysis for `convert_model`: tracing, the patterns around a
+BatchNorm call, and whether overwriting its input is safe (see the docstring
+of `inplace_abn.convert` for the rules)."""
+import copy
+import inspect
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx.passes.shape_prop import ShapeProp
+
+from . import _activation
+from .abn import ABN
+from .memory import _storage_key
+
+BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+# ---- graph analysis ----------------------------------------------------------------------
+
+_RELU_FUNCS = {F.relu, torch.relu, torch.relu_, F.relu_}
+_LEAKY_FUNCS = {F.leaky_relu, F.leaky_relu_}
+_ELU_FUNCS = {F.elu, F.elu_}
+_SILU_FUNCS = {F.silu}
+_ADD_FUNCS = {operator.add, operator.iadd, torch.add}
+
+# Operations known to return a newly allocated tensor that they do not save for
+# their own backward (overwriting it must break neither another reader nor autograd).
+_FRESH_MODULES = (
+    nn.modules.conv._ConvNd, nn.Linear, nn.Bilinear, nn.Embedding, nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd, nn.Upsample, nn.LayerNorm, nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm, nn.modules.batchnorm._BatchNorm, nn.GELU, nn.SiLU, nn.Hardswish,
+    nn.LeakyReLU, nn.Mish,
+)
+_POOL_MAX_MODULES = (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
+_FRESH_FUNCS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.matmul, operator.neg,
+    torch.add, torch.sub, torch.mul, torch.div, torch.matmul, torch.bmm, torch.cat, torch.concat, torch.stack,
+    F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.linear,
+    F.interpolate, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+    F.adaptive_avg_pool3d, F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm, F.gelu, F.silu,
+    F.hardswish, F.leaky_relu, F.mish, torch.mean, torch.sum,
+}
+_FRESH_METHODS = {"add", "sub", "mul", "div", "matmul", "clone", "__add__", "__mul__", "__sub__", "mean", "sum",
+                  "var"}
+# (amax, amin, norm, std, exp, sigmoid, softmax... save their output for backward: not fresh in this sense.
+# tests/test_fuse_convert_edges.py checks every entry above against what autograd saves.)
+# Operations whose output may be (a view of) their first argument.
+_ALIAS_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
+_ALIAS_FUNCS = {torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze,
+                torch.narrow, torch.select, operator.getitem, torch.detach, F.dropout, F.dropout1d, F.dropout2d,
+                F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+_ALIAS_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose", "t",
+                  "squeeze", "unsqueeze", "contiguous", "narrow", "select", "detach",
+                  "__getitem__", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda"}
+# Views in which several elements share memory: an in-place layer cannot write them.
+_OVERLAP_FUNCS = {torch.broadcast_to}
+_OVERLAP_METHODS = {"expand", "expand_as", "broadcast_to"}
+_INPLACE_FUNCS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+
+
+def _callable_name(node: fx.Node, modules: Dict[str, nn.Module]) -> str:
+    if node.op == "call_module":
+        return f"{type(modules[node.target]).__name__} {node.target}"
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_method":
+        return f".{node.target}()"
+    return node.op
+
+
+def _is_inplace(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether the node modifies its first argument in place."""
+    if node.op == "call_module":
+        return bool(getattr(modules[node.target], "inplace", False))
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return (node.target in _INPLACE_FUNCS or bool(node.kwargs.get("inplace", False))
+                or (name.endswith("_") and not name.endswith("__")))
+    if node.op == "call_method":
+        t = node.target
+        return (t.endswith("_") and not t.endswith("__")) or t in ("__setitem__", "__iadd__", "__imul__")
+    return False
+
+
+def _aliases_input(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether the node's output may alias its first argument."""
+    if _is_inplace(node, modules):
+        return True
+    if node.op == "call_module":
+        return isinstance(modules[node.target], _ALIAS_MODULES)
+    if node.op == "call_function":
+        return node.target in _ALIAS_FUNCS
+    if node.op == "call_method":
+        return node.target in _ALIAS_METHODS
+    return False
+
+
+def _is_fresh(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether the node is known to return a newly allocated tensor."""
+    if _is_inplace(node, modules):
+        return False
+    if node.op == "call_module":
+        m = modules[node.target]
+        if isinstance(m, _POOL_MAX_MODULES):
+            return not getattr(m, "return_indices", False)
+        return isinstance(m, _FRESH_MODULES)
+    if node.op == "call_function":
+        return node.target in _FRESH_FUNCS
+    if node.op == "call_method":
+        return node.target in _FRESH_METHODS
+    return False
+
+
+def _input_problem(x: fx.Node, bn: fx.Node, modules) -> Optional[str]:
+    """None when the BatchNorm's input may be overwritten, else why not."""
+    chain, node = bn, x
+    while True:
+        others = [u for u in node.users if u is not chain]
+        if others:
+            what = "input" if node is x else f"input's base {node.name}"
+            return f"its {what} is also read by {', '.join(u.name for u in others)}"
+        if node.op == "placeholder":
+            return "its input is a model input (the caller's tensor would be overwritten)"
+        if node.op == "get_attr":
+            return "its input is a parameter or buffer"
+        if (node.op == "call_function" and node.target in _OVERLAP_FUNCS) or (
+                node.op == "call_method" and node.target in _OVERLAP_METHODS):
+            return f"its input is an expanded view ({_callable_name(node, modules)}: elements share memory)"
+        if _is_fresh(node, modules):
+            return None
+        if _is_inplace(node, modules):
+            return (f"its input is the result of the in-place {_callable_name(node, modules)}, which its "
+                    "backward may need")
+        if _aliases_input(node, modules) and node.args and isinstance(node.args[0], fx.Node):
+            chain, node = node, node.args[0]
+            continue
+        return f"its input comes from {_callable_name(node, modules)}, not known to return a fresh tensor"
+
+
+def _alias_readers(node: fx.Node, modules) -> List[Tuple[fx.Node, fx.Node]]:
+    """(reader, what it reads) for every node reading ``node`` or a possible alias of it."""
+    out, todo, seen = [], [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if (u, n) in seen:
+                continue
+            seen.add((u, n))
+            out.append((u, n))
+            known = _is_fresh(u, modules)
+            if u.args and u.args[0] is n and not known:
+                todo.append(u)  # a view, or an unknown operation that may return n itself
+    return out
+
+
+def _modified_in_place(node: fx.Node, modules) -> Optional[str]:
+    """The first node that modifies ``node`` (or an alias of it) in place, described."""
+    for u, n in _alias_readers(node, modules):
+        if u.args and u.args[0] is n and _is_inplace(u, modules):
+            return f"{u.name} ({_callable_name(u, modules)})"
+    return None
+
+
+def _number(v) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _match_activation(node: fx.Node, src: fx.Node, modules, relu_to) -> Optional[Tuple[str, Any, str]]:
+    """(activation, param or None if not a constant, description) when ``node`` applies a
+    supported activation to ``src``; None otherwise. ReLU is mapped to ``relu_to``."""
+    found = _find_activation(node, src, modules)
+    if found is None:
+        return None
+    act, param, desc = found
+    if act == "relu":
+        return relu_to[0], relu_to[1], f"{desc} -> {relu_to[0]}({relu_to[1]:g})"
+    return act, param, desc
+
+
+def _find_activation(node: fx.Node, src: fx.Node, modules) -> Optional[Tuple[str, Any, str]]:
+    if not node.args or node.args[0] is not src:
+        return None
+
+    def arg(i, key, default):
+        if len(node.args) > i:
+            return _number(node.args[i])
+        return _number(node.kwargs.get(key, default))
+
+    if node.op == "call_module":
+        m = modules[node.target]
+        kind = type(m)
+        if kind is nn.ReLU:
+            return "relu", 0.0, "ReLU"
+        if kind is nn.LeakyReLU:
+            return "leaky_relu", _number(m.negative_slope), f"LeakyReLU({m.negative_slope:g})"
+        if kind is nn.ELU:
+            return "elu", _number(m.alpha), f"ELU({m.alpha:g})"
+        if kind is nn.SiLU:
+            return "silu", 0.0, "SiLU"
+        return None
+    if node.op == "call_function":
+        t = node.target
+        name = getattr(t, "__name__", str(t))
+        if t in _RELU_FUNCS:
+            return "relu", 0.0, name
+        if t in _LEAKY_FUNCS:
+            return "leaky_relu", arg(1, "negative_slope", 0.01), name
+        if t in _ELU_FUNCS:
+            return "elu", arg(1, "alpha", 1.0), name
+        if t in _SILU_FUNCS:
+            return "silu", 0.0, name
+        return None
+    if node.op == "call_method" and node.target in ("relu", "relu_"):
+        return "relu", 0.0, f".{node.target}()"
+    return None
+
+
+def _match_add(node: fx.Node, src: fx.Node) -> Optional[fx.Node]:
+    """The other operand when ``node`` is ``src + other`` with ``other`` a tensor node."""
+    if node.op == "call_function" and node.target in _ADD_FUNCS:
+        pass
+    elif node.op == "call_method" and node.target in ("add", "add_", "__add__", "__iadd__"):
+        pass
+    else:
+        return None
+    if len(node.args) != 2:
+        return None
+    if any(k != "alpha" for k in node.kwargs) or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    if node.op == "call_method" and a is not src:
+        return None  # other.add_(bn): in place on the shortcut
+    other = b if a is src else a if b is src else None
+    if not isinstance(other, fx.Node) or other is src or other.op == "get_attr":
+        return None
+    return other
+
+
+def _act_problem(act: str, param) -> Optional[str]:
+    if param is None:
+        return "its parameter is not a constant"
+    try:
+        _activation.check(act, param)
+    except ValueError as e:
+        return str(e)
+    if not _activation.is_invertible(act, param):
+        return f"{act}({param:g}) is not invertible (an in-place layer would save no memory)"
+    return None
+
+
+def _tensor_meta(node: fx.Node):
+    return node.meta.get("tensor_meta", None)
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> Optional[str]:
+    ma, mb = _tensor_meta(a), _tensor_meta(b)
+    if ma is None or mb is None:
+        return None
+    if tuple(ma.shape) != tuple(mb.shape):
+        return f"the shortcut's shape {list(mb.shape)} differs from the BatchNorm output's {list(ma.shape)}"
+    if ma.dtype != mb.dtype:
+        return f"the shortcut's dtype {mb.dtype} differs from the BatchNorm output's {ma.dtype}"
+    return None
+
+
+# ---- tracing -----------------------------------------------------------------------------
+
+
+def _reads_training(cls: type) -> bool:
+    """Whether ``cls.forward``'s source mentions ``self.training``."""
+    if cls not in _READS_TRAINING:
+        try:
+            _READS_TRAINING[cls] = "self.training" in inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            _READS_TRAINING[cls] = False
+    return _READS_TRAINING[cls]
+
+
+_READS_TRAINING: Dict[type, bool] = {}
+
+
+def reached_into(cls: type) -> Optional[set]:
+    """Names of attributes whose own attributes or items' attributes the code
+    of ``cls`` uses (``self.block.bn``, ``self.blocks[0].bn``,
+    ``self.heads.items()``), and ``name[]`` for those it indexes
+    (``self.block[1]``), from the source of every class of its MRO below nn.Module; None when a
+    source is unavailable (then anything may be reached)."""
+    names: set = set()
+    for c in cls.__mro__:
+        if c in (nn.Module, object) or c.__module__.startswith("torch.nn."):
+            continue
+        try:
+            src = inspect.getsource(c)
+        except (OSError, TypeError):
+            return None
+        names |= set(re.findall(r"self\.(\w+)\.", src)) | set(re.findall(r"self\.(\w+)\[[^\]]*\]\.", src))
+        names |= {f"{n}[]" for n in re.findall(r"self\.(\w+)\[", src)}
+    return names
+
+
+def has_batchnorm(m: nn.Module) -> bool:
+    """Whether ``m`` holds a BatchNorm module (not counting this package's layers)."""
+    return any(isinstance(s, nn.modules.batchnorm._BatchNorm) for s in m.modules())
+
+
+class _Tracer(fx.Tracer):
+    """fx's default tracer, plus leaves: the package's own layers, and modules
+    whose forward reads ``self.training`` (tracing into them would freeze the
+    mode they were traced in, e.g. torchvision's StochasticDepth would keep
+    dropping paths in eval mode; one holding BatchNorms is converted on its own)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, ABN) or super().is_leaf_module(m, qualname) or _reads_training(type(m))
+
+
+def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args) -> Tuple[fx.Graph, nn.Module, bool]:
+    """(graph, root, mode_dependent): the graph of ``model`` in its current
+    mode, and whether tracing in the other mode gives a different graph."""
+    tr = tracer if tracer is not None else _Tracer()
+    graph = tr.trace(model, concrete_args)
+    root = tr.root
+    modes = {m: m.training for m in model.modules()}
+    try:
+        other = type(tr)() if tracer is not None else _Tracer()
+        model.train(not model.training)
+        other_graph = other.trace(model, concrete_args)
+        differs = other_graph.python_code("self").src != graph.python_code("self").src
+    except Exception:  # a custom tracer that cannot be rebuilt: no check
+        differs = False
+    finally:
+        for m, t in modes.items():
+            m.training = t
+    return graph, root, differs
+
+
+def set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
+    *path, name = target.split(".")
+    parent = root.get_submodule(".".join(path)) if path else root
+    setattr(parent, name, module)
+
+
+# ---- candidates --------------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    """One way of converting a BatchNorm call: ``act(bn(x) [+ shortcut])``."""
+
+    pattern: str  # "bn+add+act", "bn+act", "bn+add" or "bn"
+    activation: str
+    param: float
+    source: str  # what is fused, for the report
+    act: Optional[fx.Node] = None  # the activation node fused, if any
+    add: Optional[fx.Node] = None  # the add node fused, if any
+    shortcut: Optional[fx.Node] = None  # the add's other operand
+
+    def output(self, bn: fx.Node) -> fx.Node:
+        """The node whose value the converted layer returns."""
+        return self.act if self.act is not None else self.add if self.add is not None else bn
+
+
+def module_problem(bn: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int]) -> Optional[str]:
+    """Why the module called by ``bn`` (a call_module of a _BatchNorm) cannot be replaced, or None."""
+    module = modules[bn.target]
+    if type(module) not in BN_TYPES:
+        return f"{type(module).__name__} is not a plain BatchNorm"
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
+        return "lazy module not initialised yet"
+    if calls[bn.target] > 1:
+        return f"the module is called {calls[bn.target]} times"
+    owner = next((t for t in calls if bn.target.startswith(t + ".")), None)
+    if owner is not None:
+        return f"it belongs to {owner}, called as a whole too (its forward may call the module as well)"
+    if len(bn.args) != 1 or bn.kwargs or not isinstance(bn.args[0], fx.Node):
+        return "unexpected call arguments"
+    return None
+
+
+def find_candidates(bn: fx.Node, modules, relu_to, residual: bool, standalone: bool
+                    ) -> Tuple[List[Candidate], List[str]]:
+    """The patterns that fit around ``bn``, best first, and notes on why better ones do not."""
+    notes: List[str] = []
+    users = list(bn.users)
+    found: List[Candidate] = []
+    if len(users) != 1:
+        notes.append(f"its output has {len(users)} readers: not fused")
+    else:
+        user = users[0]
+        shortcut = _match_add(user, bn) if residual else None
+        if shortcut is not None:
+            problem = _same_shape(bn, shortcut)
+            if problem:
+                notes.append(problem)
+            else:
+                add_users = list(user.users)
+                act = _match_activation(add_users[0], user, modules, relu_to) if len(add_users) == 1 else None
+                if act is not None:
+                    problem = _act_problem(act[0], act[1])
+                    if problem:
+                        notes.append(f"activation {act[2]}: {problem}")
+                    else:
+                        found.append(Candidate("bn+add+act", act[0], act[1], f"add + {act[2]}", act=add_users[0],
+                                               add=user, shortcut=shortcut))
+                elif len(add_users) == 1:
+                    notes.append(f"the add feeds {_callable_name(add_users[0], modules)}, not a supported "
+                                 "activation")
+                else:
+                    notes.append(f"the add's output has {len(add_users)} readers")
+                found.append(Candidate("bn+add", "identity", 0.0, "add", add=user, shortcut=shortcut))
+        act = _match_activation(user, bn, modules, relu_to)
+        if act is not None:
+            problem = _act_problem(act[0], act[1])
+            if problem:
+                notes.append(f"activation {act[2]}: {problem}")
+            else:
+                found.append(Candidate("bn+act", act[0], act[1], act[2], act=user))
+        elif shortcut is None:
+            notes.append(f"its output feeds {_callable_name(user, modules)}, not a supported activation")
+    if standalone:
+        found.append(Candidate("bn", "identity", 0.0, ""))
+    return found, notes
+
+
+def choose(bn: fx.Node, candidates: List[Candidate], notes: List[str], safety) -> Optional[Candidate]:
+    """The first candidate whose output (and shortcut) nothing modifies in place later;
+    the reasons for skipping the others are appended to ``notes``."""
+    for cand in candidates:
+        problem = safety.modified_in_place(cand.output(bn))
+        if problem:
+            problem = f"the output would be modified in place by {problem}"
+        elif cand.shortcut is not None:
+            problem = safety.modified_in_place(cand.shortcut)
+            if problem:
+                problem = f"the shortcut is modified in place by {problem}"
+        if problem:
+            notes.append(f"{cand.pattern}: {problem}")
+            continue
+        return cand
+    return None
+
+
+class StaticSafety:
+    """Safety judged from the graph and the operator tables above (no example inputs)."""
+
+    def __init__(self, modules: Dict[str, nn.Module]):
+        self.modules = modules
+
+    def input_problem(self, bn: fx.Node) -> Optional[str]:
+        return _input_problem(bn.args[0], bn, self.modules)
+
+    def modified_in_place(self, node: fx.Node) -> Optional[str]:
+        return _modified_in_place(node, self.modules)
+
+    def converted(self, bn: fx.Node, chosen: "Candidate") -> None:
+        pass  # a converted layer is not a fresh-tensor operation: later inputs from it are left anyway
+
+
+# ---- safety observed in a run ------------------------------------------------------------
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _keys(value) -> set:
+    """Storage identities of the tensors in ``value`` (empty storages left out)."""
+    return {key for key, nbytes in map(_storage_key, _tensors(value)) if nbytes}
+
+
+class _Recorder(ShapeProp):
+    """Runs a graph and records, per node name, the storages it reads, writes in
+    place (version counters), returns and saves for backward (saved-tensor hooks),
+    and (as ShapeProp) each node's shape and dtype in ``node.meta``.
+    Every value stays alive until the end, so no storage address is reused."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.garbage_collect_values = False
+        self.reads, self.writes, self.returns, self.saves, self.overlap = {}, {}, {}, {}, {}
+
+    def run_node(self, n: fx.Node):
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        inputs = _tensors((args, kwargs))
+        versions = [t._version for t in inputs]
+        saved: List[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = super().run_node(n)
+        self.reads[n.name] = _keys(inputs)
+        self.writes[n.name] = _keys([t for t, v in zip(inputs, versions) if t._version != v])
+        self.returns[n.name] = _keys(out)
+        self.saves[n.name] = _keys(saved)
+        self.overlap[n.name] = any(torch._debug_has_internal_overlap(t) != 0 for t in _tensors(out))
+        return out
+
+
+class _Run:
+    """What one run of the graph did (one mode)."""
+
+    def __init__(self, gm: fx.GraphModule, inputs, training: bool):
+        gm.train(training)
+        rec = _Recorder(gm)
+        with torch.enable_grad():
+            rec.propagate(*inputs)
+        self.rec = rec
+        self.inputs = _keys(inputs)
+        self.state = _keys(list(gm.parameters()) + list(gm.buffers()))
+        self.mode = "training" if training else "eval"
+
+
+class RunSafety:
+    """Safety observed in runs of the graph on example inputs, in training and
+    in eval mode, with every floating-point input and parameter requiring
+    grad: what each node reads, writes in place, returns and saves for
+    backward, from the tensors' storages, version counters and autograd's
+    saved-tensor hooks. No operator table is consulted.
+
+    ``x`` (a BatchNorm's input) may be overwritten when its storage is no
+    model input, parameter or buffer, has no internal overlap, is read by no
+    node after the BatchNorm, and is saved for backward by no node (nor by a
+    layer converted before). A candidate's output must not be written in
+    place by a later node (the layer saves it).
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs):
+        self.modules = dict(gm.named_modules())
+        self.graph_nodes = list(gm.graph.nodes)  # the original nodes, for descriptions
+        self.names = [n.name for n in gm.graph.nodes]  # in execution order (records are by name: of a copy)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        copy_gm = copy.deepcopy(gm)
+        for p in copy_gm.parameters():
+            if p.is_floating_point():
+                p.requires_grad_(True)
+        inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                  for t in example_inputs]
+        self.runs = [_Run(copy_gm, inputs, training) for training in (True, False)]
+        # Shapes and dtypes of the eval-mode run (the residual-shape check reads them).
+        for n, c in zip(gm.graph.nodes, copy_gm.graph.nodes):
+            if "tensor_meta" in c.meta:
+                n.meta["tensor_meta"] = c.meta["tensor_meta"]
+        self.kept = [set() for _ in self.runs]  # storages saved by the layers converted so far, per run
+
+    def _after(self, node: fx.Node) -> List[str]:
+        return self.names[self.index[node.name] + 1:]
+
+    def _describe(self, name: str) -> str:
+        node = next((n for n in self.graph_nodes if n.name == name), None)
+        return name if node is None else f"{name} ({_callable_name(node, self.modules)})"
+
+    def input_problem(self, bn: fx.Node) -> Optional[str]:
+        x = bn.args[0]
+        for run, kept in zip(self.runs, self.kept):
+            rec = run.rec
+            keys = rec.returns.get(x.name, set())
+            where = f" (in {run.mode} mode)"
+            if not keys:
+                return "its input is not a tensor" + where
+            if keys & run.inputs:
+                return "its input is a model input (the caller's tensor would be overwritten)"
+            if keys & run.state:
+                return "its input is a parameter or buffer"
+            if rec.overlap[x.name]:
+                return f"its input has elements sharing memory (an expanded view){where}"
+            if keys & kept:
+                return "its input's memory is saved by an in-place layer converted before it" + where
+            for n in self._after(bn):
+                if rec.reads[n] & keys:
+                    return f"its input's memory is read again after it by {self._describe(n)}" + where
+            for n in self.names:
+                if n != bn.name and rec.saves[n] & keys:
+                    return f"its input's memory is saved for backward by {self._describe(n)}{where}"
+        return None
+
+    def modified_in_place(self, node: fx.Node) -> Optional[str]:
+        for run in self.runs:
+            keys = run.rec.returns.get(node.name, set())
+            for n in self._after(node):
+                if run.rec.writes[n] & keys:
+                    return self._describe(n)
+        return None
+
+    def converted(self, bn: fx.Node, chosen: "Candidate") -> None:
+        """Record what the new layer saves: its input's memory (which becomes its output) and the shortcut."""
+        for run, kept in zip(self.runs, self.kept):
+            for n in (bn.args[0], chosen.output(bn), chosen.shortcut):
+                if n is not None:
+                    kept |= run.rec.returns.get(n.name, set())
