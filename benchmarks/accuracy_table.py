@@ -7,7 +7,7 @@ over the seeds: dx, the parameter gradients (worse of dweight and dbias) and
 the forward (worse of y and the running statistics). Two row sets: ordinary
 data, and a small gamma next to beta (gamma = 0.01, beta = 1), where
 rebuilding xhat = (z - beta) / gamma from the rounded output amplifies its
-rounding by |beta| / |gamma| (docs/DESIGN.md section 5).
+rounding by |beta| / |gamma| (docs/DESIGN.md section 8).
 
     python benchmarks/accuracy_table.py [--backend native|python] [--hostile] [--shape N,C,H,W] [--seeds 3]
 """

@@ -10,7 +10,7 @@ time in ms over --iters steps (the variants' steps interleaved, so a busy
 machine slows them alike), and their ratios to the compiled stock net. Eager
 rows (not compiled) are given for reference. On a shared machine the best
 step is the steadier figure. The last column is the activation memory saved
-for backward by one forward (DESIGN.md section 5; parameters left out).
+for backward by one forward (docs/DESIGN.md section 5; parameters left out).
 """
 import argparse
 import copy

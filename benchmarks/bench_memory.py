@@ -2,7 +2,7 @@
 """Whole-model activation memory: stock torchvision models against the same
 models converted with ``inplace_abn.convert_model`` (issue #5).
 
-Measures (DESIGN.md section 5):
+Measures (docs/DESIGN.md section 5):
 
 * everywhere: the bytes of distinct storages autograd saves for backward in
   one training-mode forward (``inplace_abn.memory.model_saved_bytes``,

@@ -1,4 +1,4 @@
-"""GPU benchmark of In-Place ABN (DESIGN.md sections 5 and 6).
+"""GPU benchmark of In-Place ABN (docs/DESIGN.md sections 5 and 6).
 
 1. Speed: forward + backward of one layer, timed with CUDA events (warm-up,
    median of repeats), for

@@ -202,7 +202,7 @@ def prepare_model(args, num_classes, device, world, convert):
 
 
 def activation_bytes(model, args, device):
-    """Activation bytes saved for backward by one training forward (DESIGN.md section 5)."""
+    """Activation bytes saved for backward by one training forward (docs/DESIGN.md section 5)."""
     from inplace_abn.memory import saved_bytes
 
     x = torch.randn(args.local_batch, 3, args.image_size, args.image_size, device=device)

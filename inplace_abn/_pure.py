@@ -73,7 +73,7 @@ def unpack_bits(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 # above -alpha. A y below the forward's least output (y <= -alpha) was rounded
 # there by a half-precision store and has no preimage: it is read as
 # e^z = 2^-11, between bfloat16's saturation (e^z < 2^-9) and float16's
-# (e^z < 2^-12), which the backward cannot tell apart (docs/DESIGN.md section 5).
+# (e^z < 2^-12), which the backward cannot tell apart (docs/DESIGN.md section 8).
 _ELU_MIN_EXPM1 = {torch.float32: -1 + 2.0**-24, torch.float64: -1 + 2.0**-53}
 _ELU_SATURATED_EXPM1 = 2.0**-11 - 1
 

@@ -1,7 +1,7 @@
 """Functional In-Place ABN: ``inplace_abn`` and ``inplace_abn_sync``.
 
 Both overwrite ``x`` with ``f(BN(x) [+ residual])`` and keep only the output
-for backward (DESIGN.md sections 1-2). Same arguments as the original
+for backward (docs/DESIGN.md sections 1-2). Same arguments as the original
 inplace_abn package, plus keyword-only extensions (``residual``,
 ``weight_mode``).
 """
@@ -57,10 +57,10 @@ def update_running_stats(mean, var, count, running_mean, running_var, momentum, 
 
 
 class _InPlaceABNFunction(torch.autograd.Function):
-    """y = f(BN(x) [+ residual]) written into x; backward from y (DESIGN.md section 2).
+    """y = f(BN(x) [+ residual]) written into x; backward from y (docs/DESIGN.md section 2).
 
     ``group`` is None for the local layer, else the process group whose
-    batch statistics are combined (DESIGN.md section 4).
+    batch statistics are combined (docs/DESIGN.md section 4).
     """
 
     @staticmethod
@@ -370,7 +370,7 @@ def inplace_abn(
 ) -> torch.Tensor:
     """In-Place Activated Batch Normalization.
 
-    Computes, per channel c (DESIGN.md section 1)::
+    Computes, per channel c (docs/DESIGN.md section 1)::
 
         z = g~ * (x - mu) / sqrt(var + eps) + beta [+ residual]
         x <- f(z)

@@ -1,7 +1,7 @@
 """Inference folding: `fuse_for_inference` turns every eval-mode ABN,
 InPlaceABN and InPlaceABNSync of a model into standard operators.
 
-In eval mode such a layer computes, per channel c (DESIGN.md section 1),
+In eval mode such a layer computes, per channel c (docs/DESIGN.md section 1),
 
     y = f(scale * x + shift [+ residual]),
     scale = g~ / sqrt(running_var + eps),  shift = beta - running_mean * scale,

@@ -1,4 +1,4 @@
-"""Activation-memory measurement (DESIGN.md section 5).
+"""Activation-memory measurement (docs/DESIGN.md section 5).
 
 `saved_bytes` counts the bytes of the distinct storages that autograd saves
 for backward during a forward pass, leaving out the model's parameters (and

@@ -14,7 +14,7 @@ ACTIVATIONS = {
 
 
 def effective_weight(w, eps, weight_mode):
-    """g~ of DESIGN.md section 1, differentiable in w."""
+    """g~ of docs/DESIGN.md section 1, differentiable in w."""
     a = w.abs() + eps
     if weight_mode == "signed":
         # sign(0) = +1 for the forward; d g~/dw = 1 everywhere.
@@ -79,7 +79,7 @@ def inplace_floor(y, x, dy, weight, bias, running_mean, running_var, training=Tr
     float64 with the batch statistics of x in float64 (training) or the
     running statistics (eval) and the same ``dy``. The remaining error against
     the float64 reference is the conditioning of the in-place algorithm
-    (docs/DESIGN.md section 5), not an implementation's rounding; in half
+    (docs/DESIGN.md section 8), not an implementation's rounding; in half
     precision it grows like eps_dtype |beta| / |gamma|.
 
     Returns a dict of float64 tensors: dx, dw, db and dr (None without a residual).

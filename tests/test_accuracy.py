@@ -32,7 +32,7 @@ def bounds(dtype, activation, stock_err, floor_err=None, ordinary=True):
     in-place floor's (``reference.inplace_floor``: the exact float64 backward
     from our y as rounded to the dtype, which every in-place method starts
     from; its error is the algorithm's conditioning, e.g. eps_dtype |beta| /
-    |gamma|, docs/DESIGN.md section 5), and never below 2 float32 ulp (where
+    |gamma|, docs/DESIGN.md section 8), and never below 2 float32 ulp (where
     both are exact). The rest (y, running statistics, relu's gradients): at
     most 2x the stock path's error, never below 2 ulp of the dtype.
 
@@ -157,7 +157,7 @@ def test_floor_is_the_reference_in_float64(activation, with_residual, training):
     assert max(err.values()) < 1e-12, err
 
 
-# docs/DESIGN.md section 5: with |gamma| small next to |beta|, xhat = (z - beta)
+# docs/DESIGN.md section 8: with |gamma| small next to |beta|, xhat = (z - beta)
 # / gamma amplifies the rounding of the stored y by |beta| / |gamma|.
 SMALL_GAMMA = dict(gamma=0.01, beta=1.0)
 
@@ -174,7 +174,7 @@ def small_gamma_case(shape, dtype, seed):
 def test_half_precision_small_gamma_is_the_floor(backend, activation, dtype):
     """gamma = 0.01, beta = 1: the in-place gradients are far from stock (the
     conditioning of rebuilding xhat from the rounded y), yet within 2x of that
-    floor; the floor itself is far above stock, as docs/DESIGN.md section 5 says."""
+    floor; the floor itself is far above stock, as docs/DESIGN.md section 8 says."""
     case = small_gamma_case((8, 4, 6, 6), dtype, seed=seed_of("small_gamma", activation, dtype))
     err, stock_err, floor_err = check(case, "4d", activation, "abs")
     assert floor_err["dw"] > 20 * stock_err["dw"], (floor_err, stock_err)
@@ -188,7 +188,7 @@ def test_elu_saturated_half_output_is_the_floor(backend, data, alpha, dtype):
     output (z below about -6 in bfloat16, -8 in float16): such a y has no
     preimage. It used to be read as z = log(1e-7) = -16, far below where the
     store saturates (and f'(z) = y + alpha <= 0), which put dx at 4-9x the
-    floor; now within 2x of the floor (docs/DESIGN.md section 5)."""
+    floor; now within 2x of the floor (docs/DESIGN.md section 8)."""
     shape = (8, 16, 14, 14)
     seed = seed_of("elu_saturated", data, alpha, dtype)
     means = torch.full((shape[1],), 1e3, dtype=torch.float64) if data.startswith("channel_means") else None
