@@ -56,6 +56,129 @@ def update_running_stats(mean, var, count, running_mean, running_var, momentum, 
         running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
 
 
+# ---- shared by every in-place layer (BatchNorm here, GroupNorm in groupnorm.py) ----
+
+
+def _activation_code(activation, activation_param):
+    """(invertible, the code the kernels apply). Non-invertible activations
+    (relu, leaky_relu slope 0): the kernels normalise only, see `_write`."""
+    invertible = _activation.is_invertible(activation, activation_param)
+    return invertible, (_activation.CODES[activation] if invertible else _activation.IDENTITY)
+
+
+def _prepare(x, residual):
+    """(the tensor the kernels write: x itself or a contiguous copy of a strided
+    x, the residual in that tensor's layout)."""
+    work = _layout_compatible(x)
+    work = x.contiguous() if work is None else work
+    if residual is not None:
+        residual = _like_layout(residual, work)
+    return work, residual
+
+
+def _write(x, work, residual, invertible, forward_):
+    """Run ``forward_(target, residual) -> mask`` so that x ends up holding y;
+    returns (the tensor to save for backward, the mask).
+
+    Non-invertible activations (ReLU) lose the negative values the backward
+    needs: the normalisation runs on a copy in the accumulation dtype (so
+    half inputs lose nothing; no memory saving), which is saved, and the
+    activation is applied to x afterwards."""
+    if invertible:
+        mask = forward_(work, residual)
+        saved_y = work
+    else:
+        saved_y = work.to(_activation.acc_dtype(x.dtype), copy=True)
+        mask = forward_(saved_y, None if residual is None else residual.to(saved_y.dtype))
+        work.copy_(saved_y.clamp(min=0))
+    if work is not x:  # strided input: computed on a contiguous copy
+        x.copy_(work)
+    return saved_y, mask
+
+
+def _refuse_double_backward(op, twin):
+    # Grad mode is on inside backward only under create_graph=True. The
+    # backward is written with the native kernels and is not itself
+    # differentiable; once_differentiable alone would let a loss linear in y
+    # (dy needs no grad) through with a constant input gradient, and the
+    # second derivative would be silently dropped.
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op} does not support double backward (create_graph=True, e.g. a gradient "
+            "penalty): its backward is not differentiable, so second derivatives would be wrong. "
+            f"Use the non-in-place {twin} where second derivatives are needed"
+        )
+
+
+def _output_grad(dy, y, invertible):
+    """dy in y's layout; for a non-invertible activation (y holds z) times the ReLU derivative."""
+    dy = _like_layout(dy, y)
+    return dy if invertible else dy.to(y.dtype) * (y > 0)
+
+
+def _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b):
+    """dweight = S_gx dg~/dweight, dbias = S_g (per channel; DESIGN.md section 2)."""
+    dweight = dbias = None
+    if weight is not None and need_w:
+        w = weight.to(sum_gzx.dtype)
+        factor = torch.ones_like(w) if signed else torch.sign(w)
+        dweight = (sum_gzx * factor).to(weight.dtype)
+    if bias is not None and need_b:
+        dbias = sum_gz.to(bias.dtype)
+    return dweight, dbias
+
+
+def _check_common(op, x, residual, eps, activation, activation_param, weight_mode, **per_channel):
+    """The checks every in-place layer makes, before anything is written:
+    input, activation, weight mode, eps, the (C,) tensors ``per_channel``, the
+    residual, forward-mode tangents and whether x may be overwritten."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{op}: expected a floating point input, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{op}: expected an input of shape (N, C, ...), got shape {list(x.shape)}")
+    _activation.check(activation, activation_param)
+    if weight_mode not in WEIGHT_MODES:
+        raise ValueError(f"{op}: weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
+    if not eps > 0:
+        raise ValueError(f"{op}: eps must be > 0, got {eps}")
+    C = x.shape[1]
+    for name, t in per_channel.items():
+        if t is None:
+            continue
+        if t.dim() != 1 or t.shape[0] != C:
+            raise ValueError(
+                f"{op}: the input has {C} channels but {name} has shape {list(t.shape)} "
+                f"(expected [{C}])"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but the input is on {x.device}")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"{op}: residual must have the input's shape {list(x.shape)}, got {list(residual.shape)}"
+            )
+        if residual.device != x.device:
+            raise ValueError(f"{op}: residual is on {residual.device} but the input is on {x.device}")
+    _check_no_tangents(x=x, residual=residual, **per_channel)
+    _check_writable(x, residual, any(t is not None and t.requires_grad
+                                     for t in (x, residual) + tuple(per_channel.values())))
+
+
+def _run(function, args, differentiable):
+    """``function.apply(*args)``, or, when no autograd node is needed (no_grad,
+    inference_mode, frozen model, i.e. no tensor of ``differentiable``
+    requires grad), its forward run directly: same result, and torch.compile
+    cannot trace ctx.mark_dirty outside a node."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)):
+        with torch.no_grad():
+            return function.forward(_NoGradCtx(), *args)
+    return function.apply(*args)
+
+
 class _InPlaceABNFunction(torch.autograd.Function):
     """y = f(BN(x) [+ residual]) written into x; backward from y (docs/DESIGN.md section 2).
 
@@ -67,13 +190,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
                 activation, activation_param, signed, group):
         ops = _backend.ops_for(x)
-        invertible = _activation.is_invertible(activation, activation_param)
-        # Non-invertible (relu, leaky_relu slope 0): normalise only, activate below.
-        act = _activation.CODES[activation] if invertible else _activation.IDENTITY
-        work = _layout_compatible(x)
-        work = x.contiguous() if work is None else work
-        if residual is not None:
-            residual = _like_layout(residual, work)
+        invertible, act = _activation_code(activation, activation_param)
+        work, residual = _prepare(x, residual)
         C = x.shape[1]
         local_count = x.numel() // C if C else 0
 
@@ -86,19 +204,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
         else:
             mean, var, count = running_mean, running_var.clone(), local_count
 
-        if invertible:
-            mask = ops.forward_(work, mean, var, weight, bias, residual, eps, act, activation_param, signed)
-            saved_y = work
-        else:
-            # ReLU loses the negative values the backward needs: keep z, in the
-            # accumulation dtype so half inputs lose nothing (no memory saving),
-            # and apply the activation afterwards.
-            saved_y = work.to(_activation.acc_dtype(x.dtype), copy=True)
-            res = None if residual is None else residual.to(saved_y.dtype)
-            mask = ops.forward_(saved_y, mean, var, weight, bias, res, eps, act, activation_param, signed)
-            work.copy_(saved_y.clamp(min=0))
-        if work is not x:  # strided input: computed on a contiguous copy
-            x.copy_(work)
+        saved_y, mask = _write(x, work, residual, invertible, lambda t, r: ops.forward_(
+            t, mean, var, weight, bias, r, eps, act, activation_param, signed))
 
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype)
@@ -107,17 +214,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():
-            # Grad mode is on inside backward only under create_graph=True. The
-            # backward below is written with the native kernels and is not itself
-            # differentiable; once_differentiable alone would let a loss linear in
-            # y (dy needs no grad) through with a constant input gradient, and
-            # the second derivative would be silently dropped.
-            raise RuntimeError(
-                "inplace_abn does not support double backward (create_graph=True, e.g. a gradient "
-                "penalty): its backward is not differentiable, so second derivatives would be wrong. "
-                "Use the non-in-place ABN layer (BatchNorm + activation) where second derivatives are needed"
-            )
+        _refuse_double_backward("inplace_abn", "ABN layer (BatchNorm + activation)")
         return _InPlaceABNFunction._backward(ctx, dy)
 
     @staticmethod
@@ -126,10 +223,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
         y, var, weight, bias, residual, mask = ctx.saved_tensors
         training, eps, act, p, signed, group, count, invertible, dtype = ctx.config
         ops = _backend.ops_for(y)
-        dy = _like_layout(dy, y)
-        if not invertible:
-            # y holds z here; the ReLU derivative is applied to dy first.
-            dy = dy.to(y.dtype) * (y > 0)
+        dy = _output_grad(dy, y, invertible)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[5]
 
@@ -151,55 +245,16 @@ class _InPlaceABNFunction(torch.autograd.Function):
             # Every rank must take part in the collective, needed or not.
             _distributed.reduce_grad_sums(sum_gz, sum_gzx, group)
 
-        dweight = dbias = None
-        if weight is not None and need_w:
-            w = weight.to(sum_gzx.dtype)
-            factor = torch.ones_like(w) if signed else torch.sign(w)
-            dweight = (sum_gzx * factor).to(weight.dtype)
-        if bias is not None and need_b:
-            dbias = sum_gz.to(bias.dtype)
+        dweight, dbias = _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b)
         return dx, dweight, dbias, None, None, dr, None, None, None, None, None, None, None
 
 
 def _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
                 activation_param, weight_mode):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"inplace_abn: x must be a tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"inplace_abn: expected a floating point input, got {x.dtype}")
-    if x.dim() < 2:
-        raise ValueError(f"inplace_abn: expected an input of shape (N, C, ...), got shape {list(x.shape)}")
-    _activation.check(activation, activation_param)
-    if weight_mode not in WEIGHT_MODES:
-        raise ValueError(f"inplace_abn: weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
-    if not eps > 0:
-        raise ValueError(f"inplace_abn: eps must be > 0, got {eps}")
-    C = x.shape[1]
-    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean),
-                    ("running_var", running_var)):
-        if t is None:
-            continue
-        if t.dim() != 1 or t.shape[0] != C:
-            raise ValueError(
-                f"inplace_abn: the input has {C} channels but {name} has shape {list(t.shape)} "
-                f"(expected [{C}])"
-            )
-        if not t.is_floating_point():
-            raise TypeError(f"inplace_abn: {name} must be floating point, got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"inplace_abn: {name} is on {t.device} but the input is on {x.device}")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("inplace_abn: evaluation mode (training=False) needs running_mean and running_var")
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"inplace_abn: residual must have the input's shape {list(x.shape)}, got {list(residual.shape)}"
-            )
-        if residual.device != x.device:
-            raise ValueError(f"inplace_abn: residual is on {residual.device} but the input is on {x.device}")
-    _check_no_tangents(x=x, weight=weight, bias=bias, running_mean=running_mean, running_var=running_var,
-                       residual=residual)
-    _check_writable(x, residual, any(t is not None and t.requires_grad for t in (x, weight, bias, residual)))
+    _check_common("inplace_abn", x, residual, eps, activation, activation_param, weight_mode, weight=weight,
+                  bias=bias, running_mean=running_mean, running_var=running_var)
 
 
 _VIEW_REFUSED = {
@@ -335,12 +390,7 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     momentum = 0.0 if momentum is None else float(momentum)
     args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
             float(activation_param), weight_mode == "signed", group)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))):
-        # No autograd node needed (no_grad, inference_mode, frozen model): run the forward
-        # directly. Same result; and torch.compile cannot trace ctx.mark_dirty outside one.
-        with torch.no_grad():
-            return _InPlaceABNFunction.forward(_NoGradCtx(), *args)
-    return _InPlaceABNFunction.apply(*args)
+    return _run(_InPlaceABNFunction, args, (x, weight, bias, residual))
 
 
 class _NoGradCtx:

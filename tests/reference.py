@@ -66,6 +66,35 @@ def _silu_inverse_exact(y, left):
     return 0.5 * (lo + hi)
 
 
+def exact_inverse(y_in, z_exact, activation, p):
+    """(z, f'(z)) in float64 from the stored output ``y_in``, exactly: the
+    preimage of y as rounded to its dtype, on SiLU's branch of ``z_exact``
+    (the float64 pre-activation, which the forward's mask records)."""
+    y = y_in.to(torch.float64)
+    neg = torch.signbit(y)  # -0 keeps the negative branch, as in the library
+    if activation == "identity":
+        z, fp = y, torch.ones_like(y)
+    elif activation == "leaky_relu":
+        z, fp = torch.where(neg, y / p, y), torch.where(neg, torch.full_like(y, p), torch.ones_like(y))
+    elif activation == "elu":
+        # y <= -alpha has no preimage: f(z) -> -alpha was rounded onto or
+        # past it. Take the end of its rounding interval, the preimage of the
+        # midpoint between y and its neighbour towards zero in y's dtype.
+        toward0 = torch.nextafter(y_in, torch.zeros_like(y_in)).to(torch.float64)
+        y_b = torch.where(y > -p, y, 0.5 * (y + toward0))
+        z = torch.where(neg, torch.log1p(y_b / p), y)
+        fp = torch.where(neg, y_b + p, 1.0)
+    elif activation in ("silu", "swish"):
+        left = z_exact < SILU_ZSTAR
+        z = _silu_inverse_exact(y, left)
+        s = torch.sigmoid(z)
+        fp = s * (1 + z * (1 - s))
+        fp = torch.where(left & (y >= 0), 0.0, fp)
+    else:
+        raise ValueError(f"no in-place floor for {activation!r} (not invertible)")
+    return z, fp
+
+
 def inplace_floor(y, x, dy, weight, bias, running_mean, running_var, training=True, eps=1e-5,
                   activation="leaky_relu", activation_param=0.01, weight_mode="abs", residual=None):
     """The in-place floor: the exact float64 backward computed from the output
@@ -104,28 +133,7 @@ def inplace_floor(y, x, dy, weight, bias, running_mean, running_var, training=Tr
     z_exact = (x - mean.view(shape)) * (g * inv_std).view(shape) + b.view(shape)
     if r is not None:
         z_exact = z_exact + r
-    neg = torch.signbit(y)  # -0 keeps the negative branch, as in the library
-    p = activation_param
-    if activation == "identity":
-        z, fp = y, torch.ones_like(y)
-    elif activation == "leaky_relu":
-        z, fp = torch.where(neg, y / p, y), torch.where(neg, torch.full_like(y, p), torch.ones_like(y))
-    elif activation == "elu":
-        # y <= -alpha has no preimage: f(z) -> -alpha was rounded onto or
-        # past it. Take the end of its rounding interval, the preimage of the
-        # midpoint between y and its neighbour towards zero in y's dtype.
-        toward0 = torch.nextafter(y_in, torch.zeros_like(y_in)).to(d)
-        y_b = torch.where(y > -p, y, 0.5 * (y + toward0))
-        z = torch.where(neg, torch.log1p(y_b / p), y)
-        fp = torch.where(neg, y_b + p, 1.0)
-    elif activation in ("silu", "swish"):
-        left = z_exact < SILU_ZSTAR
-        z = _silu_inverse_exact(y, left)
-        s = torch.sigmoid(z)
-        fp = s * (1 + z * (1 - s))
-        fp = torch.where(left & (y >= 0), 0.0, fp)
-    else:
-        raise ValueError(f"no in-place floor for {activation!r} (not invertible)")
+    z, fp = exact_inverse(y_in, z_exact, activation, activation_param)
     gz = dy * fp
     if r is not None:
         z = z - r
@@ -139,5 +147,66 @@ def inplace_floor(y, x, dy, weight, bias, running_mean, running_var, training=Tr
     else:
         dx = (g * inv_std).view(shape) * gz
     # stored in the output dtypes, as any implementation must
+    pd = weight.dtype
+    return dict(dx=dx.to(y_in.dtype), dw=dw.to(pd), db=db.to(pd), dr=None if r is None else gz.to(y_in.dtype))
+
+
+def stock_gn(x, groups, weight, bias, eps=1e-5, activation="silu", activation_param=0.01, weight_mode="abs",
+             residual=None, dtype=None):
+    """Stock GroupNorm + activation in ``dtype`` (default: x's); returns y.
+
+    In float64 (the reference) each (sample, group) is first shifted by its
+    mean, a constant (detached), which changes neither y nor any gradient:
+    torch's channels-last group_norm computes the variance in one pass, with
+    an error ~ 1e-16 (mean/std)^2, 5e-10 for channel means of 1e3.
+    """
+    dtype = dtype or x.dtype
+    w = None if weight is None else effective_weight(weight, eps, weight_mode)
+    wide = dtype == torch.float64
+    x = x.to(dtype)
+    if wide and x.numel():
+        N = x.shape[0]
+        shift = x.detach().reshape(N, groups, -1).mean(2, keepdim=True)
+        x = (x.reshape(N, groups, -1) - shift).reshape(x.shape)
+    z = F.group_norm(x, groups, None if w is None else w.to(dtype) if wide else w,
+                     None if bias is None else bias.to(dtype) if wide else bias, eps)
+    if residual is not None:
+        z = z + residual.to(dtype)
+    return ACTIVATIONS[activation](z, activation_param)
+
+
+def inplace_floor_gn(y, x, dy, groups, weight, bias, eps=1e-5, activation="silu", activation_param=0.01,
+                     weight_mode="abs", residual=None):
+    """`inplace_floor` for GroupNorm (docs/DESIGN.md section 10): the exact
+    float64 backward from the stored output ``y``, with the per-(sample,
+    group) statistics of x in float64. Returns dx, dw, db, dr as `inplace_floor`."""
+    d = torch.float64
+    y_in = y.detach()
+    x, dy = x.detach().to(d), dy.detach().to(d)
+    w, b = weight.detach().to(d), bias.detach().to(d)
+    r = None if residual is None else residual.detach().to(d)
+    N, C, nd = x.shape[0], x.shape[1], x.dim()
+    cshape = (1, C) + (1,) * (nd - 2)
+    g = effective_weight(w, eps, weight_mode).view(cshape)
+    dg = torch.ones_like(w) if weight_mode == "signed" else torch.sign(w)
+
+    def grouped(t):  # (N, G, C/G * spatial), logical order
+        return t.reshape(N, groups, -1)
+
+    var, mean = torch.var_mean(grouped(x), dim=2, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    xhat_exact = ((grouped(x) - mean) * rstd).reshape(x.shape)
+    z_exact = xhat_exact * g + b.view(cshape) + (0 if r is None else r)
+    z, fp = exact_inverse(y_in, z_exact, activation, activation_param)
+    gz = dy * fp
+    if r is not None:
+        z = z - r
+    xhat = (z - b.view(cshape)) / g
+    sdims = [0] + list(range(2, nd))
+    db = gz.sum(sdims)
+    dw = (gz * xhat).sum(sdims) * dg
+    h = grouped(gz * g)  # dL/dxhat
+    hx = grouped(gz * g * xhat)
+    dx = (rstd * (h - h.mean(2, keepdim=True) - grouped(xhat) * hx.mean(2, keepdim=True))).reshape(x.shape)
     pd = weight.dtype
     return dict(dx=dx.to(y_in.dtype), dw=dw.to(pd), db=db.to(pd), dr=None if r is None else gz.to(y_in.dtype))

@@ -1,0 +1,183 @@
+"""The four GroupNorm operators of the in-place activated GroupNorm
+(docs/DESIGN.md section 10), declared as the native ones will be.
+
+Schemas live in the ``inplace_abn`` operator namespace next to the BatchNorm
+operators of ``src/ops.cpp``::
+
+    gn_stats(Tensor x, int groups) -> (Tensor mean, Tensor var)          (N, G) each
+    gn_forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias,
+                Tensor? residual, float eps, int activation, float activation_param,
+                bool signed_weight) -> Tensor mask
+    gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias,
+                Tensor? residual, float eps, int activation, float activation_param,
+                bool signed_weight) -> (Tensor sum_gz, Tensor sum_gzx)     (N, C) each
+    gn_backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight,
+                Tensor? bias, Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps,
+                int activation, float activation_param, bool signed_weight,
+                bool residual_grad) -> (Tensor dx, Tensor dresidual)
+
+G is ``mean.shape[1]`` (``var.shape[1]``) after ``gn_stats``. Statistics and
+sums are in the accumulation dtype (`_activation.acc_dtype`). The mask is the
+SiLU branch mask of the BatchNorm operators (`_pure.pack_bits`, one bit per
+element in memory order; empty for the other activations).
+
+Each operator has a CompositeExplicitAutograd kernel, the pure-PyTorch
+implementation below, and a fake kernel. Native kernels plug in with
+``TORCH_LIBRARY_IMPL(inplace_abn, CPU, m)`` (or CUDA): a kernel registered to
+a backend key takes precedence over the composite one for that device, and
+nothing in Python changes. If the native library declares the schemas itself
+(``TORCH_LIBRARY_FRAGMENT``), the declarations here are skipped.
+"""
+import torch
+
+from . import _activation as A
+from . import _backend, _pure
+
+OP_NAMES = ("gn_stats", "gn_forward_", "gn_backward_reduce", "gn_backward_input")
+
+SCHEMAS = {
+    "gn_stats": "gn_stats(Tensor x, int groups) -> (Tensor, Tensor)",
+    "gn_forward_": (
+        "gn_forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
+        "float eps, int activation, float activation_param, bool signed_weight) -> Tensor"),
+    "gn_backward_reduce": (
+        "gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
+        "float eps, int activation, float activation_param, bool signed_weight) -> (Tensor, Tensor)"),
+    "gn_backward_input": (
+        "gn_backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
+        "Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps, int activation, float activation_param, "
+        "bool signed_weight, bool residual_grad) -> (Tensor, Tensor)"),
+}
+
+
+# ---- pure-PyTorch implementation (docs/DESIGN.md section 10) -----------------
+
+
+def _per_sample_channel(v: torch.Tensor, C: int, ndim: int) -> torch.Tensor:
+    """(N, G) per-group values as (N, C, 1, ...): each group's value on its C/G channels."""
+    N, G = v.shape
+    return v.repeat_interleave(C // G, dim=1).view((N, C) + (1,) * (ndim - 2))
+
+
+def _per_channel(v: torch.Tensor, ndim: int) -> torch.Tensor:
+    return v.view((1, -1) + (1,) * (ndim - 2))
+
+
+def _spatial_sum(t: torch.Tensor) -> torch.Tensor:
+    """(N, C) sums over the spatial dimensions, accumulated in float64."""
+    if t.dim() == 2:
+        return t.double()
+    return t.sum(list(range(2, t.dim())), dtype=torch.float64)
+
+
+def gn_stats(x, groups):
+    acc = A.acc_dtype(x.dtype)
+    N = x.shape[0]
+    if x.numel() == 0:
+        z = torch.zeros(N, groups, dtype=acc, device=x.device)
+        return z, z.clone()
+    # float64: robust on any group size (as _pure.batch_stats)
+    var, mean = torch.var_mean(x.double().reshape(N, groups, -1), dim=2, correction=0)
+    return mean.to(acc), var.to(acc)
+
+
+def gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
+    acc = A.acc_dtype(x.dtype)
+    C, nd = x.shape[1], x.dim()
+    g, b = _pure._coefficients(weight, bias, eps, signed, C, acc, x.device)
+    rstd = _per_sample_channel(torch.rsqrt(var.to(acc) + eps), C, nd)
+    # (x - mean) first, as the BatchNorm forward (docs/DESIGN.md section 1)
+    z = (x.to(acc) - _per_sample_channel(mean.to(acc), C, nd)) * (rstd * _per_channel(g, nd)) + _per_channel(b, nd)
+    if residual is not None:
+        z += residual.to(acc)
+    if act == A.SILU:
+        mask = _pure.pack_bits(z < _pure.SILU_ZSTAR)
+    else:
+        mask = torch.empty(0, dtype=torch.int32, device=x.device)
+    x.copy_(_pure.forward_act(z, act, p))
+    return mask
+
+
+def gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed):
+    # z, f'(z) and xhat from y: per element and per channel, so the BatchNorm recomputation serves as is
+    fp, xhat, _ = _pure._recompute(y, mask, weight, bias, residual, eps, act, p, signed)
+    gz = dy.to(fp.dtype) * fp
+    return _spatial_sum(gz).to(fp.dtype), _spatial_sum(gz * xhat).to(fp.dtype)
+
+
+def gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                      residual_grad):
+    fp, xhat, g = _pure._recompute(y, mask, weight, bias, residual, eps, act, p, signed)
+    C, nd = y.shape[1], y.dim()
+    gz = dy.to(fp.dtype) * fp
+    rstd = _per_sample_channel(torch.rsqrt(var.to(fp.dtype) + eps), C, nd)
+    dx = rstd * (_per_channel(g, nd) * gz - _per_sample_channel(mean_ggz.to(fp.dtype), C, nd)
+                 - xhat * _per_sample_channel(mean_ggzx.to(fp.dtype), C, nd))
+    dr = gz.to(y.dtype) if residual_grad else torch.empty(0, dtype=y.dtype, device=y.device)
+    return dx.to(y.dtype), dr
+
+
+PURE = {name: globals()[name] for name in OP_NAMES}
+
+
+# ---- registration --------------------------------------------------------------
+
+_lib = torch.library.Library("inplace_abn", "FRAGMENT")
+
+
+def _declared(name):
+    try:
+        torch._C._get_schema(f"inplace_abn::{name}", "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _register():
+    for name in OP_NAMES:
+        if not _declared(name):
+            _lib.define(SCHEMAS[name])
+        _lib.impl(name, PURE[name], "CompositeExplicitAutograd")
+
+    def acc(t):
+        return A.acc_dtype(t.dtype)
+
+    @torch.library.register_fake("inplace_abn::gn_stats", lib=_lib)
+    def _(x, groups):
+        return x.new_empty(x.shape[0], groups, dtype=acc(x)), x.new_empty(x.shape[0], groups, dtype=acc(x))
+
+    @torch.library.register_fake("inplace_abn::gn_forward_", lib=_lib)
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight):
+        words = (x.numel() + 31) // 32 if activation == A.SILU else 0
+        return x.new_empty(words, dtype=torch.int32)
+
+    @torch.library.register_fake("inplace_abn::gn_backward_reduce", lib=_lib)
+    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight):
+        N, C = y.shape[:2]
+        return y.new_empty(N, C, dtype=acc(y)), y.new_empty(N, C, dtype=acc(y))
+
+    @torch.library.register_fake("inplace_abn::gn_backward_input", lib=_lib)
+    def _(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, activation_param,
+          signed_weight, residual_grad):
+        return torch.empty_like(y), (torch.empty_like(y) if residual_grad else y.new_empty(0))
+
+
+_register()
+
+
+class _Ops:
+    """The operators under their schema names, as the backend chooses them."""
+
+    def __init__(self, table):
+        self.__dict__.update(table)
+
+
+_PURE_OPS = _Ops(PURE)
+_DISPATCHED_OPS = _Ops({name: getattr(torch.ops.inplace_abn, name) for name in OP_NAMES})
+
+
+def ops_for(x: torch.Tensor):
+    """The pure functions under ``use_backend("python")``, else the dispatched
+    operators (a device's native kernel where one is registered, else the
+    composite pure kernel)."""
+    return _PURE_OPS if _backend.current() == "python" else _DISPATCHED_OPS

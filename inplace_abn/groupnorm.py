@@ -1,0 +1,249 @@
+"""In-place activated GroupNorm: ``inplace_agn``, the modules ``AGN`` and
+``InPlaceAGN`` (docs/DESIGN.md section 10).
+
+"AGN" reads "Activated GroupNorm" as "ABN" reads "Activated BatchNorm": the
+same fusion (normalisation + activation, overwriting the input, backward from
+the output) on GroupNorm statistics, so ``InPlaceAGN`` sits beside
+``InPlaceABN`` and ``AGN`` beside ``ABN``, the non-in-place twin.
+
+GroupNorm has no running statistics: training and eval compute the same thing
+(statistics per sample and group), so the functional form has no
+``training``/``momentum`` arguments.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _activation, _groupnorm_ops
+from .functions import (WEIGHT_MODES, _activation_code, _check_common, _output_grad, _param_grads, _prepare,
+                        _refuse_double_backward, _run, _write)
+
+
+class _InPlaceAGNFunction(torch.autograd.Function):
+    """y = f(GN(x) [+ residual]) written into x; backward from y (docs/DESIGN.md section 10)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, groups, eps, activation, activation_param, signed):
+        ops = _groupnorm_ops.ops_for(x)
+        invertible, act = _activation_code(activation, activation_param)
+        work, residual = _prepare(x, residual)
+        mean, var = ops.gn_stats(work, groups)
+        saved_y, mask = _write(x, work, residual, invertible, lambda t, r: ops.gn_forward_(
+            t, mean, var, weight, bias, r, eps, act, activation_param, signed))
+        ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
+        ctx.config = (eps, act, activation_param, signed, invertible, x.dtype)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        _refuse_double_backward("inplace_agn", "AGN layer (GroupNorm + activation)")
+        return _InPlaceAGNFunction._backward(ctx, dy)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def _backward(ctx, dy):
+        y, var, weight, bias, residual, mask = ctx.saved_tensors
+        eps, act, p, signed, invertible, dtype = ctx.config
+        ops = _groupnorm_ops.ops_for(y)
+        dy = _output_grad(dy, y, invertible)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_r = residual is not None and ctx.needs_input_grad[3]
+
+        # (N, C) sums over the spatial positions of gz and gz xhat
+        s_gz, s_gzx = ops.gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+        dx = dr = None
+        if need_x or need_r:
+            N, C = y.shape[:2]
+            G = var.shape[1]
+            if weight is None:
+                g = torch.ones(C, dtype=s_gz.dtype, device=y.device)
+            else:
+                g = _activation.effective_weight(weight.detach().to(s_gz.dtype), eps, signed)
+            m = y.numel() // (N * G) if N * G else 1  # elements per (n, group)
+            # group means of g~ gz and g~ gz xhat, per sample (N, G)
+            mean_ggz = (s_gz * g).view(N, G, C // G).sum(2) / m
+            mean_ggzx = (s_gzx * g).view(N, G, C // G).sum(2) / m
+            dx, dr = ops.gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act,
+                                           p, signed, need_r)
+            dx = dx.to(dtype) if need_x else None
+            dr = dr.to(dtype) if need_r else None
+        dweight, dbias = _param_grads(s_gz.sum(0), s_gzx.sum(0), weight, bias, signed, need_w, need_b)
+        return dx, dweight, dbias, dr, None, None, None, None, None
+
+
+def _check_groups(x, num_groups):
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+        raise ValueError(f"inplace_agn: num_groups must be a positive int, got {num_groups!r}")
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % num_groups:
+        raise ValueError(
+            f"inplace_agn: the input has {x.shape[1]} channels, which num_groups={num_groups} does not divide "
+            "(GroupNorm needs C divisible by num_groups)"
+        )
+
+
+def _standard_ops(x, num_groups, weight, bias, eps, activation, activation_param, residual, weight_mode):
+    """The same math with stock operators (group_norm + activation), not in
+    place: what torch.export and torch.jit.trace record, so that exported
+    programs hold only standard operators."""
+    g = None if weight is None else _activation.effective_weight(weight, eps, weight_mode == "signed")
+    z = F.group_norm(x, num_groups, g, bias, eps)
+    if residual is not None:
+        z = z + residual
+    return _activation.apply(z, activation, activation_param)
+
+
+def inplace_agn(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+    activation: str = "silu",
+    activation_param: float = 0.01,
+    *,
+    residual: Optional[torch.Tensor] = None,
+    weight_mode: str = "abs",
+) -> torch.Tensor:
+    """In-place activated GroupNorm.
+
+    For each sample n and group k of C/num_groups consecutive channels, with
+    mu, var over the group's channels and spatial positions
+    (docs/DESIGN.md section 10)::
+
+        z = g~_c * (x - mu_nk) / sqrt(var_nk + eps) + beta_c [+ residual]
+        x <- f(z)
+
+    with g~ the effective weight of `inplace_abn` (``weight_mode="abs"``:
+    |weight| + eps, the convention of the BatchNorm layer; ``"signed"``:
+    sign(weight) (|weight| + eps), so torch.nn.GroupNorm weights load with
+    their signs).
+
+    Args:
+        x: (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W) floating tensor,
+            contiguous or channels-last; overwritten with the result.
+        num_groups: G, dividing C.
+        weight, bias: (C,) affine parameters or None.
+        eps: added to the variance, and to |weight|.
+        activation: ``identity``, ``leaky_relu``, ``elu``, ``silu``/``swish``
+            (``relu`` works but saves no memory, and warns once).
+        activation_param: leaky_relu slope (> 0 to save memory) or elu alpha.
+        residual: optional tensor shaped like x added before the activation,
+            sharing no memory with x; it receives the gradient dL/dz.
+        weight_mode: ``"abs"`` (default) or ``"signed"``.
+
+    Returns:
+        x itself, holding the output.
+
+    Raises, before anything is written, as `inplace_abn` does: for an x that
+    autograd would not let an in-place op modify, an x whose elements share
+    memory, a residual sharing memory with x, tensors carrying forward-mode
+    tangents, and C not divisible by num_groups. The backward raises under
+    ``create_graph=True`` (use `AGN` for double backward).
+    """
+    _check_groups(x, num_groups)
+    _check_common("inplace_agn", x, residual, eps, activation, activation_param, weight_mode, weight=weight,
+                  bias=bias)
+    if torch.compiler.is_exporting() or torch.jit.is_tracing():
+        return _standard_ops(x, num_groups, weight, bias, float(eps), activation, float(activation_param), residual,
+                             weight_mode)
+    if not _activation.is_invertible(activation, activation_param):
+        _activation.warn_not_invertible(activation, activation_param)
+    args = (x, weight, bias, residual, num_groups, float(eps), activation, float(activation_param),
+            weight_mode == "signed")
+    return _run(_InPlaceAGNFunction, args, (x, weight, bias, residual))
+
+
+class AGN(nn.Module):
+    """Activated GroupNorm: stock torch.nn.GroupNorm followed by an activation.
+
+    The non-in-place twin of `InPlaceAGN` (it accepts ``relu`` too, and
+    supports double backward). State-dict keys are those of
+    torch.nn.GroupNorm (``weight``, ``bias``).
+
+    Args:
+        num_groups: G, dividing num_channels.
+        num_channels: C.
+        eps: added to the variance.
+        affine: learn a per-channel weight (ones) and bias (zeros).
+        activation: ``identity``, ``relu``, ``leaky_relu``, ``elu``, ``silu``/``swish``.
+        activation_param: leaky_relu slope or elu alpha.
+        device, dtype (keyword only): where and in which dtype the parameters
+            are created.
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 activation: str = "silu", activation_param: float = 0.01, *, device=None, dtype=None):
+        super().__init__()
+        _activation.check(activation, activation_param)
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+        if num_channels % num_groups:
+            raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.num_groups = num_groups
+        self.num_channels = num_channels
+        self.eps = eps
+        self.affine = affine
+        self.activation = activation
+        self.activation_param = activation_param
+        if affine:
+            self.weight = nn.Parameter(torch.empty(num_channels, **factory_kwargs))
+            self.bias = nn.Parameter(torch.empty(num_channels, **factory_kwargs))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return _activation.apply(y, self.activation, self.activation_param, inplace=True)
+
+    def extra_repr(self) -> str:
+        rep = f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, " \
+              f"activation={self.activation}"
+        if self.activation in ("leaky_relu", "elu"):
+            rep += f"[{self.activation_param}]"
+        return rep
+
+
+class InPlaceAGN(AGN):
+    """In-place activated GroupNorm: GroupNorm + activation fused into one
+    operation that overwrites its input and keeps only its output for
+    backward (docs/DESIGN.md section 10). Same arguments as `AGN`, plus:
+
+    Args:
+        weight_mode: ``"abs"`` (default, as `InPlaceABN`: the effective scale
+            is |weight| + eps) or ``"signed"`` (sign(weight)(|weight| + eps):
+            torch.nn.GroupNorm weights of either sign load with their meaning).
+
+    ``forward(x, residual=None)``: x of shape (N, C, ...) is overwritten with
+    f(GN(x) + residual) and returned. relu (or leaky_relu with slope 0) is not
+    invertible: such a layer stays correct but saves no memory, and warns once.
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 activation: str = "silu", activation_param: float = 0.01, weight_mode: str = "abs", *,
+                 device=None, dtype=None):
+        super().__init__(num_groups, num_channels, eps, affine, activation, activation_param, device=device,
+                         dtype=dtype)
+        if weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
+        self.weight_mode = weight_mode
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return inplace_agn(x, self.num_groups, self.weight, self.bias, self.eps, self.activation,
+                           self.activation_param, residual=residual, weight_mode=self.weight_mode)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
+
+
+__all__ = ["inplace_agn", "AGN", "InPlaceAGN"]

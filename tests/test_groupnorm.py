@@ -1,0 +1,381 @@
+"""In-place activated GroupNorm (InPlaceAGN, AGN, inplace_agn) against stock
+torch.nn.functional.group_norm + activation in float64 with autograd:
+forward, input, weight, bias and residual gradients, every activation,
+weight mode, layout, rank and dtype, on both backends; gradcheck, state
+dicts, errors, opcheck of the four operators, torch.compile, export and
+memory (docs/DESIGN.md section 10)."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import inplace_abn
+from cases import PARAM, errors, make_case
+from inplace_abn import AGN, InPlaceAGN, _activation, inplace_agn
+from inplace_abn.memory import model_saved_bytes
+from reference import ACTIVATIONS, inplace_floor_gn, stock_gn
+from test_accuracy import bounds
+
+LAYOUTS = {
+    # name: (shape, groups, memory format)
+    "2d": ((64, 6), 3, torch.contiguous_format),
+    "3d": ((6, 4, 11), 2, torch.contiguous_format),
+    "4d": ((4, 6, 6, 7), 3, torch.contiguous_format),
+    "4d_channels_last": ((4, 6, 6, 7), 3, torch.channels_last),
+    "4d_one_group": ((3, 4, 5, 6), 1, torch.contiguous_format),
+    "4d_group_per_channel": ((3, 4, 5, 6), 4, torch.channels_last),
+    "5d": ((3, 4, 3, 5, 4), 2, torch.contiguous_format),
+    "5d_channels_last_3d": ((3, 4, 3, 5, 4), 2, torch.channels_last_3d),
+}
+ACTS = ["identity", "leaky_relu", "elu", "silu", "relu"]
+INVERTIBLE = ["identity", "leaky_relu", "elu", "silu"]
+HALF = (torch.bfloat16, torch.float16)
+
+
+def run(case, fn, layout, activation, weight_mode, with_residual, dtype=None, eps=1e-5):
+    """Forward + backward of "ours" or "stock" on the case (in ``dtype`` when
+    given, else the case's); returns y and the gradients of x, weight, bias
+    (and residual)."""
+    shape, groups, fmt = LAYOUTS[layout]
+    conv = (lambda t: t.to(dtype, copy=True)) if dtype is not None else (lambda t: t.clone())
+    x0 = conv(case["x"]).contiguous(memory_format=fmt).requires_grad_()
+    w, b = conv(case["w"]).requires_grad_(), conv(case["b"]).requires_grad_()
+    r = conv(case["residual"]).contiguous(memory_format=fmt).requires_grad_() if with_residual else None
+    p = PARAM[activation]
+    x = x0.clone(memory_format=torch.preserve_format)
+    if fn == "ours":
+        y = inplace_agn(x, groups, w, b, eps, activation, p, residual=r, weight_mode=weight_mode)
+        assert y.data_ptr() == x.data_ptr(), "output must share the input's storage"
+    else:
+        y = stock_gn(x, groups, w, b, eps, activation, p, weight_mode, r)
+    inputs = [x0, w, b] + ([r] if with_residual else [])
+    grads = torch.autograd.grad(y, inputs, conv(case["dy"]).contiguous(memory_format=fmt))
+    return dict(y=y.detach(), dx=grads[0], dw=grads[1], db=grads[2], dr=grads[3] if with_residual else None)
+
+
+def _case(layout, dtype, seed=0, hostile=False):
+    shape = LAYOUTS[layout][0]
+    means = torch.full((shape[1],), 1e3, dtype=torch.float64) if hostile else None
+    return make_case(shape, dtype, seed=seed, channel_means=means)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("weight_mode", ["abs", "signed"])
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_float64_matches_groupnorm(backend, layout, activation, weight_mode, with_residual):
+    case = _case(layout, torch.float64, seed=len(layout) + len(activation))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # relu's "saves no memory"
+        ours = run(case, "ours", layout, activation, weight_mode, with_residual)
+    ref = run(case, "stock", layout, activation, weight_mode, with_residual)
+    err = errors(ours, ref)
+    assert max(err.values()) <= 1e-10, err
+
+
+@pytest.mark.parametrize("activation", INVERTIBLE)
+def test_float64_hostile_channel_means(backend, activation):
+    """Channel means of 1e3 (std 1): the statistics and (x - mean) keep float64 exact."""
+    for layout in ("4d", "5d_channels_last_3d"):
+        case = _case(layout, torch.float64, hostile=True)
+        err = errors(run(case, "ours", layout, activation, "signed", True),
+                     run(case, "stock", layout, activation, "signed", True))
+        assert max(err.values()) <= 1e-10, (layout, err)
+
+
+@pytest.mark.parametrize("hostile", [False, True], ids=["ordinary", "hostile"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", INVERTIBLE)
+@pytest.mark.parametrize("layout", ["4d", "4d_channels_last", "5d"])
+def test_lower_precision_within_bounds(backend, layout, activation, dtype, hostile):
+    """Below float64: within 2x the worse of stock at the same precision and
+    the in-place floor (`reference.inplace_floor_gn`), with the floors and
+    caps of `test_accuracy.bounds`. In float32 the floor is applied too: with
+    statistics per (sample, group) over few elements the rounding of y weighs
+    more than in BatchNorm (measured: dw floor 2.2e-7 where stock has 1.2e-7)."""
+    case = _case(layout, dtype, seed=3, hostile=hostile)
+    with_residual = activation == "silu"
+    ours = run(case, "ours", layout, activation, "abs", with_residual)
+    stock = run(case, "stock", layout, activation, "abs", with_residual)
+    ref = run(case, "stock", layout, activation, "abs", with_residual, dtype=torch.float64)
+    err, stock_err = errors(ours, ref), errors(stock, ref)
+    floor = inplace_floor_gn(ours["y"], case["x"], case["dy"], LAYOUTS[layout][1], case["w"], case["b"], 1e-5,
+                             activation, PARAM[activation], "abs", case["residual"] if with_residual else None)
+    floor_err = errors(floor, ref)
+    if dtype in HALF:
+        limit = bounds(dtype, activation, stock_err, floor_err, ordinary=not hostile)
+    else:
+        worse = {k: max(e, floor_err.get(k, 0.0)) for k, e in stock_err.items()}
+        limit = bounds(dtype, activation, worse, ordinary=not hostile)
+    bad = {k: (e, limit[k]) for k, e in err.items() if e > limit[k]}
+    assert not bad, f"errors above bounds: {bad}; stock {stock_err}, floor {floor_err}"
+
+
+@pytest.mark.parametrize("activation", INVERTIBLE)
+def test_gradcheck(backend, activation):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(4, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, w, b, r):
+        return inplace_agn(x.clone(), 2, w, b, 1e-5, activation, PARAM[activation], residual=r, weight_mode="signed")
+
+    assert torch.autograd.gradcheck(fn, (x, w, b, r))
+
+
+def test_no_affine_and_no_grad_path(backend):
+    x = torch.randn(2, 6, 5, dtype=torch.float64)
+    ref = F.silu(F.group_norm(x, 3))
+    with torch.no_grad():
+        y = inplace_agn(x.clone(), 3)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    x0 = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(inplace_agn(x0.clone(), 3).sum(), x0)
+    (gr,) = torch.autograd.grad(F.silu(F.group_norm(x0, 3)).sum(), x0)
+    torch.testing.assert_close(gx, gr, rtol=0, atol=1e-12)
+
+
+def test_empty_batch(backend):
+    layer = InPlaceAGN(2, 4)
+    x = torch.randn(0, 4, 3, 3, requires_grad=True)
+    y = layer(x.clone())
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    assert torch.equal(layer.weight.grad, torch.zeros(4)) and torch.equal(layer.bias.grad, torch.zeros(4))
+
+
+def test_modules_match_groupnorm_and_load_its_state_dict():
+    gn = nn.GroupNorm(4, 8)
+    with torch.no_grad():
+        gn.weight.copy_(torch.rand(8) + 0.5)
+        gn.bias.normal_()
+    sd = gn.state_dict()
+    x = torch.randn(2, 8, 5, 5)
+    ref = F.silu(gn(x))
+    for cls, kw in ((AGN, {}), (InPlaceAGN, {"weight_mode": "signed"}), (InPlaceAGN, {})):
+        layer = cls(4, 8, **kw)
+        assert set(layer.state_dict()) == set(sd) == {"weight", "bias"}
+        layer.load_state_dict(sd, strict=True)
+        y = layer(x.clone())
+        # AGN: exact; InPlaceAGN: the effective weight is |w| + eps (both modes, w > 0)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5)
+    # and back: an InPlaceAGN checkpoint loads into nn.GroupNorm
+    nn.GroupNorm(4, 8).load_state_dict(InPlaceAGN(4, 8).state_dict(), strict=True)
+    assert set(AGN(2, 4, affine=False).state_dict()) == set(nn.GroupNorm(2, 4, affine=False).state_dict())
+
+
+def test_agn_is_groupnorm_plus_activation():
+    torch.manual_seed(0)
+    for act in ACTS:
+        layer = AGN(2, 6, activation=act, activation_param=PARAM[act] or 0.01)
+        with torch.no_grad():
+            layer.weight.normal_()
+            layer.bias.normal_()
+        x = torch.randn(3, 6, 4, 4)
+        ref = ACTIVATIONS[act](F.group_norm(x, 2, layer.weight, layer.bias, 1e-5), layer.activation_param)
+        assert torch.equal(layer(x), ref)
+
+
+def test_module_repr_and_defaults():
+    layer = InPlaceAGN(32, 64)
+    assert (layer.num_groups, layer.num_channels, layer.eps, layer.activation, layer.weight_mode) == (
+        32, 64, 1e-5, "silu", "abs")
+    assert repr(layer) == "InPlaceAGN(32, 64, eps=1e-05, affine=True, activation=silu)"
+    meta = InPlaceAGN(2, 4, device="meta", dtype=torch.float16)
+    assert meta.weight.device.type == "meta" and meta.weight.dtype == torch.float16
+
+
+def test_relu_is_correct_and_warns_once(monkeypatch):
+    monkeypatch.setattr(_activation, "_warned_not_invertible", False)
+    layer = InPlaceAGN(2, 4, activation="relu")
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="not invertible"):
+        y = layer(x.clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x.clone())  # once per process
+    (g,) = torch.autograd.grad(y.sum(), x)
+    (gr,) = torch.autograd.grad(F.relu(F.group_norm(x, 2, layer.weight.abs() + 1e-5, layer.bias)).sum(), x)
+    torch.testing.assert_close(g, gr)
+    # relu keeps its pre-activation (float32) for backward: no saving against leaky_relu
+    leaky = InPlaceAGN(2, 4, activation="leaky_relu")
+    assert model_saved_bytes(_blocks(lambda c: [layer], 1, 4), torch.randn(2, 3, 8, 8)) > \
+        model_saved_bytes(_blocks(lambda c: [leaky], 1, 4), torch.randn(2, 3, 8, 8))
+
+
+def test_errors_before_any_write():
+    x = torch.randn(2, 6, 4)
+    w, b = torch.ones(6), torch.zeros(6)
+    cases = [
+        (dict(num_groups=4), ValueError, "6 channels, which num_groups=4 does not divide"),
+        (dict(num_groups=0), ValueError, "num_groups must be a positive int"),
+        (dict(weight=torch.ones(5)), ValueError, "input has 6 channels but weight has shape"),
+        (dict(bias=torch.zeros(6, dtype=torch.int64)), TypeError, "bias must be floating point"),
+        (dict(activation="gelu"), ValueError, "Unknown activation"),
+        (dict(weight_mode="raw"), ValueError, "weight_mode must be"),
+        (dict(eps=0.0), ValueError, "eps must be > 0"),
+        (dict(residual=torch.randn(2, 6, 5)), ValueError, "residual must have the input's shape"),
+    ]
+    for kw, exc, msg in cases:
+        args = dict(num_groups=3, weight=w, bias=b, eps=1e-5, activation="silu", residual=None, weight_mode="abs")
+        args.update(kw)
+        xc = x.clone()
+        residual, weight_mode = args.pop("residual"), args.pop("weight_mode")
+        with pytest.raises(exc, match=msg):
+            inplace_agn(xc, *args.values(), residual=residual, weight_mode=weight_mode)
+        assert torch.equal(xc, x), kw
+    with pytest.raises(TypeError, match="floating point input"):
+        inplace_agn(torch.ones(2, 6, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="divisible by num_groups"):
+        InPlaceAGN(4, 6)
+    with pytest.raises(ValueError, match="weight_mode"):
+        InPlaceAGN(3, 6, weight_mode="raw")
+
+
+def test_refusals_as_inplace_abn():
+    leaf = torch.randn(2, 4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+        inplace_agn(leaf, 2)
+    x = torch.randn(2, 4, 3)
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="residual shares memory with x"):
+        inplace_agn(x, 2, residual=x)
+    assert torch.equal(x, before)
+    with pytest.raises(RuntimeError, match="share one memory location"):
+        inplace_agn(torch.randn(1, 4, 1).expand(2, 4, 3), 2)
+    x0 = torch.randn(2, 4, 3, requires_grad=True)
+    y = inplace_agn(x0.clone(), 2)
+    with pytest.raises(RuntimeError, match="double backward.*non-in-place AGN"):
+        torch.autograd.grad(y.sum(), x0, create_graph=True)
+
+
+def test_strided_input_is_written_back(backend):
+    base = torch.randn(2, 8, 6, dtype=torch.float64)
+    x0 = base.clone().requires_grad_()
+    view = x0.clone()[:, ::2]  # not contiguous
+    y = inplace_agn(view, 2, activation="elu", activation_param=1.0)
+    ref = F.elu(F.group_norm(x0[:, ::2], 2))
+    assert y is view
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    (g,) = torch.autograd.grad(y.sum(), x0)
+    (gr,) = torch.autograd.grad(ref.sum(), x0)
+    torch.testing.assert_close(g, gr, rtol=0, atol=1e-12)
+
+
+# ---- operators ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("act", [_activation.IDENTITY, _activation.LEAKY_RELU, _activation.ELU, _activation.SILU])
+def test_opcheck_groupnorm_operators(act, fmt, residual):
+    ops = torch.ops.inplace_abn
+    g = torch.Generator().manual_seed(act)
+    x = torch.randn(3, 6, 4, 5, generator=g).contiguous(memory_format=fmt)
+    w, b = torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g)
+    r = torch.randn(3, 6, 4, 5, generator=g).contiguous(memory_format=fmt) if residual else None
+    p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 1.0}.get(act, 0.0)
+    torch.library.opcheck(ops.gn_stats.default, (x, 3))
+    mean, var = ops.gn_stats(x, 3)
+    torch.library.opcheck(ops.gn_forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, True))
+    y = x.clone()
+    mask = ops.gn_forward_(y, mean, var, w, b, r, 1e-5, act, p, False)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(ops.gn_backward_reduce.default, (y, dy, mask, w, b, r, 1e-5, act, p, False))
+    mg, mgx = torch.randn(3, 3, generator=g), torch.randn(3, 3, generator=g)
+    torch.library.opcheck(ops.gn_backward_input.default,
+                          (y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual))
+    torch.library.opcheck(ops.gn_forward_.default,
+                          (x.clone().bfloat16(), mean, var, None, None, None, 1e-5, act, p, False))
+
+
+def test_operators_have_composite_kernels_a_device_kernel_can_override():
+    """The pure kernels are registered to CompositeExplicitAutograd, which a
+    TORCH_LIBRARY_IMPL(inplace_abn, CPU/CUDA) kernel overrides per device."""
+    for name in inplace_abn._groupnorm_ops.OP_NAMES:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{name}", "CompositeExplicitAutograd")
+    schema = str(torch.ops.inplace_abn.gn_forward_.default._schema)
+    assert "Tensor(a!) x" in schema
+
+
+def test_backends_agree():
+    case = _case("4d_channels_last", torch.float32, seed=5)
+    with inplace_abn.use_backend("python"):
+        a = run(case, "ours", "4d_channels_last", "silu", "signed", True)
+    b = run(case, "ours", "4d_channels_last", "silu", "signed", True)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ---- compile, export ------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.conv0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = norm
+        self.conv1 = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv1(self.norm(self.conv0(x)))
+
+
+def test_compile_fullgraph_training_matches_eager():
+    torch.manual_seed(0)
+    eager = _Block(InPlaceAGN(4, 8, activation="silu", weight_mode="signed"))
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 3, 6, 6)
+    ye, yc = eager(x), compiled(x)
+    torch.testing.assert_close(yc, ye)
+    ye.square().sum().backward()
+    yc.square().sum().backward()
+    for (n, pe), pc in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(pc.grad, pe.grad, msg=n)
+
+
+def test_export_uses_standard_group_norm():
+    model = _Block(InPlaceAGN(4, 8, activation="leaky_relu", activation_param=0.1)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    ep = torch.export.export(model, (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not any("inplace_abn" in t for t in targets), targets
+    assert any("group_norm" in t for t in targets), targets
+    assert any("leaky_relu" in t for t in targets), targets
+    torch.testing.assert_close(ep.module()(x), model(x.clone()))
+
+
+# ---- memory ------------------------------------------------------------------------
+
+
+def _blocks(norm, n_blocks=3, C=16):
+    layers = [nn.Conv2d(3, C, 3, padding=1)]
+    for _ in range(n_blocks):
+        layers += norm(C) + [nn.Conv2d(C, C, 3, padding=1)]
+    return nn.Sequential(*layers)
+
+
+def test_saved_bytes_groupnorm_silu_conv_blocks():
+    """Stock GroupNorm -> SiLU -> conv saves three full tensors per block (the
+    GroupNorm input, the SiLU input, the conv input); the in-place layer
+    saves the conv input only (which the conv saves anyway), plus the SiLU
+    branch mask (1 bit per element)."""
+    N, C, H, W, blocks = 2, 16, 16, 16, 3
+    x = torch.randn(N, 3, H, W)
+    stock = _blocks(lambda c: [nn.GroupNorm(4, c), nn.SiLU()], blocks, C)
+    ours = _blocks(lambda c: [InPlaceAGN(4, c)], blocks, C)
+    s, o = model_saved_bytes(stock, x), model_saved_bytes(ours, x)
+    t = N * C * H * W * 4  # one activation tensor, float32
+    mask = N * C * H * W // 8
+    small = 2 * N * 4 * 4 * blocks  # per-(n, group) mean and rstd (stock) / var (ours)
+    input_bytes = x.numel() * 4  # the first conv's input
+    assert s - input_bytes == pytest.approx(3 * t * blocks, abs=small)
+    assert o - input_bytes == pytest.approx((t + mask) * blocks, abs=small)
+    # two tensors per block fewer (the conv input is saved by both)
+    assert (s - o) / (t * blocks) == pytest.approx(2 - 1 / 32, abs=0.01)
