@@ -23,7 +23,7 @@ void batch_stats_t(const KernelArgs& a) {
   std::vector<double> s1(C), s2(C);
   reduce2<F>(
       g, K.data(),
-      [&](int64_t i, int64_t j, int cnt, auto full, const auto& co, V& u, V& v) {
+      [=](int64_t i, int64_t j, int cnt, auto full, const auto& co, V& u, V& v) {
         constexpr bool FULL = decltype(full)::value;
         V k = co.get(0, j);
         // invalid lanes of a partial vector read as K: d = 0 there

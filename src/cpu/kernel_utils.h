@@ -515,7 +515,8 @@ inline double lane_sum(const DPair<F>& a) {
 // quarters the conversions. Rows are walked strictly in memory order
 // (interleaving rows costs more DRAM bandwidth than it saves); their sums are
 // kept in the compute type over a few super-rows, then added to double.
-// coef: the per-channel coefficient that co.get(0, j) gives.
+// coef: the per-channel coefficient that co.get(0, j) gives. elem should
+// capture by value: it is copied into each parallel task.
 template <typename F, class Elem>
 void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, double* out2) {
   constexpr int K = 1;
@@ -536,6 +537,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     std::vector<F> noexp[K];
     const int64_t grain = std::max<int64_t>(1, kBlock / std::min(S, part));
     at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+      const Elem el = elem;  // a local copy stays in registers (see for_each_vector's callers)
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t pl = u / parts, pt = u - pl * parts;
         const int64_t b = pl * S + pt * part;
@@ -554,10 +556,10 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         int64_t j = 0;
         for (; j + 4 * W <= n; j += 4 * W) {  // four vectors summed pairwise in F first, then in double
           V u0, v0, u1, v1, u2, v2, u3, v3;
-          elem(b + j, j, W, std::true_type{}, co, u0, v0);
-          elem(b + j + W, j + W, W, std::true_type{}, co, u1, v1);
-          elem(b + j + 2 * W, j + 2 * W, W, std::true_type{}, co, u2, v2);
-          elem(b + j + 3 * W, j + 3 * W, W, std::true_type{}, co, u3, v3);
+          el(b + j, j, W, std::true_type{}, co, u0, v0);
+          el(b + j + W, j + W, W, std::true_type{}, co, u1, v1);
+          el(b + j + 2 * W, j + 2 * W, W, std::true_type{}, co, u2, v2);
+          el(b + j + 3 * W, j + 3 * W, W, std::true_type{}, co, u3, v3);
           DPair<F> du = todp((u0 + u1) + (u2 + u3));
           DPair<F> dw = todp(at::vec::fmadd(u1, v1, u0 * v0) + at::vec::fmadd(u3, v3, u2 * v2));
           for (int k = 0; k < NP; ++k) {
@@ -567,7 +569,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         }
         for_vectors<W>(n - j, [&](int64_t jj, int cnt, auto full) {
           V uu, vv;
-          elem(b + j + jj, j + jj, cnt, full, co, uu, vv);
+          el(b + j + jj, j + jj, cnt, full, co, uu, vv);
           acc_exact(uu, vv);
         });
         buf[2 * u] = lane_sum(s1);
@@ -606,6 +608,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     // padded accumulator length, a whole number of cache lines
     const int64_t RP = (R + W + 15) / 16 * 16;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+      const Elem el = elem;
       // 64-byte aligned accumulators: unaligned vector stores split lines
       std::vector<double> dmem(2 * RP + 8);
       std::vector<F> fmem(2 * RP + 64 / sizeof(F));
@@ -634,7 +637,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
           const int64_t n = std::min(R, g.numel - e);
           for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
             V uu, vv;
-            elem(e + j, j, cnt, full, co, uu, vv);
+            el(e + j, j, cnt, full, co, uu, vv);
             F* p1 = facc + j;
             F* p2 = facc + RP + j;
             (V::loadu(p1) + uu).store(p1);
