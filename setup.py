@@ -1,6 +1,13 @@
 """Build of inplace_abn: one extension, inplace_abn._C, holding the operator
-schemas (src/ops.cpp), the CPU kernels (src/cpu) and, when CUDA is usable or
-forced, the CUDA kernels (src/cuda).
+schemas and device-agnostic front ends (src/ops), the CPU kernels (src/cpu)
+and, when CUDA is usable or forced, the CUDA kernels (src/cuda).
+
+The CPU kernels (src/cpu/*_kernel.cpp) are compiled once per instruction set,
+as ATen compiles its native/cpu kernels: each object with its ISA's flags and
+-DCPU_CAPABILITY=<ISA> -DCPU_CAPABILITY_<ISA> (which select at::vec's
+implementation and the kernels' namespace); src/cpu/dispatch.cpp picks one at
+run time. The baseline (DEFAULT) objects come first on the link line, so the
+linker keeps their copies of inline functions shared with the ISA objects.
 
 Environment:
   INPLACE_ABN_FORCE_CUDA=1   compile the CUDA sources even without a GPU
@@ -8,9 +15,14 @@ Environment:
   INPLACE_ABN_NO_CUDA=1      never compile the CUDA sources
   TORCH_CUDA_ARCH_LIST       CUDA architectures (default: the visible GPUs', or
                              Volta to Hopper + PTX when none is visible)
+  INPLACE_ABN_NO_AVX=1       build the CPU kernels for DEFAULT only (no AVX2 /
+                             AVX512 variants; at::vec's default path, NEON on
+                             aarch64); CI tests this build too
 """
 import glob
 import os
+import platform
+import sys
 
 from setuptools import find_packages, setup
 
@@ -51,8 +63,6 @@ def _openmp_flags():
     with -fopenmp records libgomp.so.1, the same soname as torch's bundled
     copy, so the process still has one OpenMP runtime.
     """
-    import sys
-
     import torch
 
     if sys.platform in ("win32", "darwin") or "OpenMP" not in torch.__config__.parallel_info():
@@ -61,13 +71,42 @@ def _openmp_flags():
     return ["-fopenmp"]
 
 
+def _rel(pattern):
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+
+
+KERNEL_SOURCES = _rel("src/cpu/*_kernel.cpp")
+
+
+def _cpu_capabilities():
+    """(ISA, compiler flags) for each build of the CPU kernels, baseline first (flags as ATen's)."""
+    isas = [("DEFAULT", [])]
+    if platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32" and not _flag("INPLACE_ABN_NO_AVX"):
+        avx2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"]
+        isas += [("AVX2", avx2), ("AVX512", avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"])]
+    # -Wno-psabi: GCC notes that vector arguments pass differently across ISAs (as they do)
+    return [(isa, flags + [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}", "-Wno-psabi"]) for isa, flags in isas]
+
+
+class BuildExt(BuildExtension):
+    """Compiles KERNEL_SOURCES once per CPU capability, each into its own folder, and links them in."""
+
+    def build_extension(self, ext):
+        cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+        objects = []
+        for isa, flags in _cpu_capabilities():
+            objects += self.compiler.compile(KERNEL_SOURCES, output_dir=os.path.join(self.build_temp, isa.lower()),
+                                             include_dirs=ext.include_dirs, extra_postargs=list(cxx) + flags)
+        ext.extra_objects = objects + list(ext.extra_objects or [])
+        super().build_extension(ext)
+
+
 def _extensions():
-    rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
-    sources = rel("src/*.cpp") + rel("src/cpu/*.cpp")
+    sources = _rel("src/ops/*.cpp") + _rel("src/cpu/dispatch.cpp")
     omp = _openmp_flags()
     cxx = ["-O3", "-fvisibility=hidden"] + omp  # torch adds its -std (C++20 for torch 2.14)
     include_dirs = [os.path.join(HERE, "src")]
-    cuda_sources = rel("src/cuda/*.cu")
+    cuda_sources = _rel("src/cuda/*.cu") + _rel("src/cuda/*.cpp")
     if _want_cuda() and cuda_sources:
         import torch
 
@@ -78,7 +117,6 @@ def _extensions():
                 "inplace_abn._C",
                 sources + cuda_sources,
                 include_dirs=include_dirs,
-                define_macros=[("INPLACE_ABN_WITH_CUDA", None)],
                 extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
                 extra_link_args=omp,
             )
@@ -103,6 +141,6 @@ setup(
         "examples": ["torchvision", "tqdm", "matplotlib"],
     },
     ext_modules=_extensions(),
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExt},
     zip_safe=False,
 )

@@ -18,12 +18,22 @@ measurements alike; --system-malloc keeps glibc's defaults and prints the
 page faults per step.
 
     python benchmarks/bench_cpu.py [--threads 2] [--repeats 20] [--quick] [--system-malloc]
+
+--compare OLD_ROOT times "ours" for this checkout's build against another
+build of the package (a checkout whose inplace_abn/ holds its own built _C,
+e.g. a git worktree of an older commit), in one run: both register the same
+torch.ops, so each runs in its own subprocesses, taking turns (new, old, old,
+new, ...) for --rounds rounds of --repeats steps each; the table gives the
+median over rounds per shape and the ratio new / old, with the CPU ISA.
 """
 import argparse
 import ctypes
 import ctypes.util
+import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -74,7 +84,7 @@ def _interleaved(fns, repeats, warmup=10):
     return [statistics.median(t) for t in times], [f / repeats for f in faults]
 
 
-def bench(shape, activation, channels_last, repeats, dtype=torch.float32):
+def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_only=False):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     C = shape[1]
     src = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
@@ -100,9 +110,47 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32):
         for _ in range(4):
             src.clone(memory_format=torch.preserve_format)
 
+    if ours_only:
+        (t_clone, t_ours), _ = _interleaved([run_clone, run_ours], repeats)
+        return t_ours - t_clone
     (t_clone, t_ours, t_stock, t_floor), (_, f_ours, f_stock, _) = _interleaved(
         [run_clone, run_ours, run_stock, run_floor], repeats)
     return t_ours - t_clone, t_stock, t_floor, f_ours, f_stock
+
+
+def cases(quick):
+    shapes = [(4, 16, 14, 14), (2, 32, 7, 7), (256, 64)] if quick else [(16, 64, 56, 56), (16, 512, 7, 7), (4096, 512)]
+    for shape in shapes:
+        for activation in ("leaky_relu", "silu"):
+            for cl in (False, True):
+                if not cl or len(shape) == 4:
+                    yield shape, activation, cl
+
+
+def compare(args):
+    """Ours (ms) of this build and of the one at args.compare, interleaved rounds in subprocesses."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    roots = {"new": here, "old": os.path.abspath(args.compare)}
+    times = {k: [] for k in roots}
+    for r in range(args.rounds):
+        for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
+            env = dict(os.environ, PYTHONPATH=roots[name], INPLACE_ABN_BACKEND="native")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(args.threads),
+                   "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+            out = subprocess.run(cmd, env=env, cwd=roots[name], check=True, capture_output=True, text=True).stdout
+            res = json.loads(out.strip().splitlines()[-1])
+            assert res["file"].startswith(roots[name]), res["file"]
+            times[name].append(res["ours"])
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
+          f"float32, ours (forward + backward) ms: median over {args.rounds} interleaved rounds of {args.repeats} steps")
+    print("| shape | activation | layout | new ms | old ms | new/old |")
+    print("|---|---|---|---|---|---|")
+    for k, (shape, activation, cl) in enumerate(cases(args.quick)):
+        new = statistics.median(t[k] for t in times["new"])
+        old = statistics.median(t[k] for t in times["old"])
+        layout = "channels_last" if cl else "contiguous"
+        print(f"| {'x'.join(map(str, shape))} | {activation} | {layout} | {new * 1e3:.2f} | {old * 1e3:.2f} | "
+              f"{new / old:.3f} |")
 
 
 def main():
@@ -111,27 +159,31 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke test)")
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default allocation heuristics")
+    ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
+    ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     kept = False if args.system_malloc else keep_freed_memory()
     torch.set_num_threads(args.threads)
-    shapes = [(16, 64, 56, 56), (16, 512, 7, 7), (4096, 512)]
+    if args.compare:
+        return compare(args)
+    if args.worker:
+        ours = [bench(shape, act, cl, args.repeats, ours_only=True) for shape, act, cl in cases(args.quick)]
+        print(json.dumps({"file": inplace_abn.__file__, "ours": ours}))
+        return
     if args.quick:
-        shapes, args.repeats = [(4, 16, 14, 14), (2, 32, 7, 7), (256, 64)], 3
+        args.repeats = 3
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
-    print(f"torch {torch.__version__}, {args.threads} threads, float32, backend={backend}, median of {args.repeats}, "
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, float32, backend={backend}, median of {args.repeats}, "
           f"allocator: {'freed memory kept (mallopt)' if kept else 'system defaults'}")
     print("| shape | activation | layout | ours ms | stock ms | 4-clone ms | ours/floor | ours/stock | faults/step ours, stock |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for shape in shapes:
-        for activation in ("leaky_relu", "silu"):
-            for cl in (False, True):
-                if cl and len(shape) != 4:
-                    continue
-                t_ours, t_stock, t_floor, f_ours, f_stock = bench(shape, activation, cl, args.repeats)
-                layout = "channels_last" if cl else "contiguous"
-                print(f"| {'x'.join(map(str, shape))} | {activation} | {layout} | {t_ours * 1e3:.2f} | "
-                      f"{t_stock * 1e3:.2f} | {t_floor * 1e3:.2f} | {t_ours / t_floor:.2f} | {t_ours / t_stock:.2f} | "
-                      f"{f_ours:.0f}, {f_stock:.0f} |", flush=True)
+    for shape, activation, cl in cases(args.quick):
+        t_ours, t_stock, t_floor, f_ours, f_stock = bench(shape, activation, cl, args.repeats)
+        layout = "channels_last" if cl else "contiguous"
+        print(f"| {'x'.join(map(str, shape))} | {activation} | {layout} | {t_ours * 1e3:.2f} | "
+              f"{t_stock * 1e3:.2f} | {t_floor * 1e3:.2f} | {t_ours / t_floor:.2f} | {t_ours / t_stock:.2f} | "
+              f"{f_ours:.0f}, {f_stock:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

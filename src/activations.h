@@ -5,7 +5,7 @@
 // generic over a "math" policy M that supplies the arithmetic on a value type
 // M::T: ScalarMath<float|double> below (used by the CUDA kernels) and
 // VecMath<float|double> over at::vec::Vectorized in the CPU kernels
-// (src/cpu/kernels_impl.h). Anything beyond
+// (src/cpu/kernel_utils.h). Anything beyond
 // + - * / goes through M so the same text compiles for scalars and SIMD
 // vectors.
 #pragma once
@@ -83,10 +83,10 @@ struct IsSingle {
 
 // One struct per activation, specialised below:
 //   forward(z, p)            -> y = f(z)
-//   inverse(y, left, p)      -> z = f^-1(y); `left` is the SiLU branch bit as 0/1
-//   deriv(y, z, p)           -> f'(z), using y where that is cheaper
 //   inverse_deriv(y, left, p, d) -> z = f^-1(y), and d = f'(z) (one call for
-//                               the backward kernels, sharing the work)
+//                               the backward kernels, sharing the work);
+//                               `left` is the SiLU branch bit as 0/1
+//   inverse(y, left, p), deriv(y, z, p): the two parts, where they are separate
 // `p` is the activation parameter (slope, alpha; unused otherwise).
 template <Act A, class M>
 struct Activation;
@@ -279,30 +279,6 @@ struct Activation<Act::Silu, M> {
     dfdz = s * (gp - gpp * dz);
     return z;
   }
-  static IABN_HD T inverse(T y, T left, T p, int iters = kIters) {
-    T d;
-    return inverse_deriv(y, left, p, d, iters);
-  }
-  // f'(z) = s (1 + z (1 - s))
-  static IABN_HD T deriv(T, T z, T) {
-    T s = sigmoid(z);
-    return s * (M::c(1.0) + z * (M::c(1.0) - s));
-  }
 };
-
-// Per-channel affine coefficients shared by every kernel.
-//   g~ = |gamma| + eps            (abs mode)
-//   g~ = sign(gamma)(|gamma|+eps) (signed mode, sign(0) = +1)
-template <typename T>
-IABN_HD T effective_weight(T gamma, T eps, bool signed_mode) {
-  T a = (gamma < T(0) ? -gamma : gamma) + eps;
-  return (signed_mode && gamma < T(0)) ? -a : a;
-}
-// d g~ / d gamma: 1 in signed mode; sign(gamma) in abs mode, 0 at gamma = 0
-// as torch.abs gives (what the original implementation's autograd computed).
-template <typename T>
-IABN_HD T effective_weight_grad(T gamma, bool signed_mode) {
-  return signed_mode ? T(1) : (gamma < T(0) ? T(-1) : (gamma > T(0) ? T(1) : T(0)));
-}
 
 }  // namespace inplace_abn

@@ -1,5 +1,6 @@
 """Module API, drop-in compatibility, errors, memory and the in-place contract."""
 import os
+import sys
 import warnings
 
 import pytest
@@ -107,17 +108,25 @@ def test_native_result_independent_of_thread_count(shape, fmt, activation):
 
 
 @pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")
-def test_native_kernels_use_more_than_one_thread():
-    """at::parallel_for really runs in parallel in the extension.
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="the Linux build uses torch's OpenMP pool")
+def test_native_kernels_built_with_openmp():
+    """The extension's at::parallel_for really is OpenMP code.
 
-    It is a header template: compiled without OpenMP (the pool torch uses on
+    It is a header template: compiled without -fopenmp (the pool torch uses on
     Linux) it runs every loop on the calling thread, whatever
     torch.get_num_threads() says; an earlier build did, at half the speed.
+    With -fopenmp the compiled loops call GOMP_parallel, which the library
+    then imports (and the link records the OpenMP runtime it needs); that the
+    threads agree bitwise is test_native_result_independent_of_thread_count.
     """
-    torch.set_num_threads(2)
-    assert torch.ops.inplace_abn._cpu_parallel_threads(64) == 2
-    torch.set_num_threads(1)
-    assert torch.ops.inplace_abn._cpu_parallel_threads(64) == 1
+    from inplace_abn import _C
+
+    with open(_C.__file__, "rb") as f:
+        image = f.read()
+    assert b"GOMP_parallel" in image, "inplace_abn._C was compiled without -fopenmp"
+    with open("/proc/self/maps") as f:
+        assert "libgomp" in f.read(), "no OpenMP runtime loaded"
 
 
 def test_non_contiguous_input(backend):

@@ -1,8 +1,6 @@
 // CUDA kernels of In-Place ABN (DESIGN.md sections 1-3, 6).
 //
-// Device code only: no ATen, so that the same text also compiles on the host
-// under the CPU emulator in src/cuda/emu (which maps the CUDA built-ins used
-// here: threadIdx & co., __syncthreads, __shfl_*_sync, __ballot_sync).
+// Device code; the launches are in src/cuda/<op>_kernel.cu.
 //
 // Index conventions
 //   numel       elements of x, addressed by their MEMORY position e (the tensor
@@ -15,10 +13,6 @@
 // Activation<A, ScalarMath<acc_t>>; A is a template parameter.
 #pragma once
 
-#if !defined(__CUDACC__) && !defined(IABN_EMULATE)
-#error "kernels.cuh needs nvcc (or the CPU emulator, src/cuda/emu)"
-#endif
-
 #include <cstdint>
 #include <type_traits>
 
@@ -26,6 +20,7 @@
 #include <c10/util/Half.h>
 
 #include "activations.h"
+#include "ops/kernel.h"  // the coefficient table's rows
 
 namespace inplace_abn {
 namespace gpu {
@@ -72,12 +67,6 @@ __device__ __forceinline__ void store_k(T* p, const T (&v)[K], bool full, int64_
   }
 }
 
-template <typename acc_t, typename T>
-__device__ __forceinline__ acc_t to_acc(T v) {
-  return static_cast<acc_t>(v);
-}
-
-
 // ---------------------------------------------------------------------------
 // Channel of a memory position, tracked incrementally (no division per step).
 
@@ -113,7 +102,7 @@ struct ChanCursor {
 // kernels, without a load per element in the common cases:
 //  kFixed: the thread's channels never change (channels-last, with a grid
 //          whose element stride is a multiple of C, see ew_config in
-//          ops_impl.h): loaded into registers once, before the loop;
+//          src/cuda/launch.cuh): loaded into registers once, before the loop;
 //  else:   a vector inside one channel (planar layout, s + K <= inner) uses R
 //          scalars, reloaded only when the channel changes (one cache per
 //          unrolled slot u); a vector across channels loads per element.
@@ -174,84 +163,6 @@ struct CoefSource {
 template <typename scalar_t>
 constexpr int unroll() {
   return sizeof(scalar_t) == 2 ? 1 : 2;
-}
-
-// ---------------------------------------------------------------------------
-// Per-channel parameters in whatever float dtype they come in (AMP: bf16 x with
-// float32 statistics), read once per channel by coef_kernel.
-
-enum ParamKind : int { kParamNone = 0, kParamF32 = 1, kParamF64 = 2, kParamF16 = 3, kParamBF16 = 4 };
-
-struct ChanParam {
-  const void* ptr;
-  int64_t stride;
-  int kind;
-};
-
-template <typename acc_t>
-__device__ __forceinline__ acc_t load_param(const ChanParam& p, int64_t c, acc_t dflt) {
-  const int64_t i = c * p.stride;
-  switch (p.kind) {
-    case kParamF32:
-      return static_cast<acc_t>(static_cast<const float*>(p.ptr)[i]);
-    case kParamF64:
-      return static_cast<acc_t>(static_cast<const double*>(p.ptr)[i]);
-    case kParamF16:
-      return static_cast<acc_t>(static_cast<float>(static_cast<const c10::Half*>(p.ptr)[i]));
-    case kParamBF16:
-      return static_cast<acc_t>(static_cast<float>(static_cast<const c10::BFloat16*>(p.ptr)[i]));
-    default:
-      return dflt;
-  }
-}
-
-// Rows of the per-channel coefficient table written by coef_kernel (row r of
-// channel c at coef[r * C + c]), computed in double and stored in acc_t; the
-// same per-channel coefficients as the CPU kernels (src/cpu/cpu_ops.cpp).
-enum CoefMode : int { kCoefForward = 0, kCoefReduce = 1, kCoefInput = 2 };
-// forward:  z = ((x - mean_hi) - mean_lo) * scale + shift [+ res], with
-//           scale = g~ r and the mean split into acc_t hi + lo (a float64
-//           mean keeps its accuracy in float arithmetic when |mean| >> std).
-constexpr int kFwdMeanHi = 0, kFwdMeanLo = 1, kFwdScale = 2, kFwdShift = 3, kFwdRows = 4;
-// backward_reduce: zc = z - shift [- res]; sums gz and gz zc; S_gx = sum(gz zc) / g~.
-constexpr int kRedShift = 0, kRedGain = 1, kRedRows = 2;
-// backward_input: dx = a gz + b zc + c0, i.e. g~ r (gz - mean_gz - xhat mean_gz_xhat)
-//           with a = g~ r, b = -r mean_gz_xhat, c0 = -g~ r mean_gz.
-constexpr int kInShift = 0, kInA = 1, kInB = 2, kInC0 = 3, kInRows = 4;
-
-// g~ of a channel: effective_weight(gamma) with a weight, 1 without one (as the
-// original mapillary kernels and the CPU backend: a non-affine layer
-// normalises to xhat).
-__device__ __forceinline__ double channel_gain(const ChanParam& w, int64_t c, double eps, bool signed_mode) {
-  return w.kind == kParamNone ? 1.0 : effective_weight<double>(load_param<double>(w, c, 1.0), eps, signed_mode);
-}
-
-template <typename acc_t>
-__global__ void __launch_bounds__(kEwThreads)
-    coef_kernel(int mode, int64_t C, ChanParam mean, ChanParam var, ChanParam weight, ChanParam bias, ChanParam mg,
-                ChanParam mgx, double eps, bool signed_mode, acc_t* __restrict__ coef) {
-  for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < C; c += (int64_t)gridDim.x * blockDim.x) {
-    const double g = channel_gain(weight, c, eps, signed_mode);
-    const double shift = load_param<double>(bias, c, 0.0);
-    if (mode == kCoefForward) {
-      const double r = 1.0 / ScalarMath<double>::sqrt(load_param<double>(var, c, 0.0) + eps);
-      const double mu = load_param<double>(mean, c, 0.0);
-      const acc_t hi = static_cast<acc_t>(mu);
-      coef[kFwdMeanHi * C + c] = hi;
-      coef[kFwdMeanLo * C + c] = static_cast<acc_t>(mu - static_cast<double>(hi));
-      coef[kFwdScale * C + c] = static_cast<acc_t>(g * r);
-      coef[kFwdShift * C + c] = static_cast<acc_t>(shift);
-    } else if (mode == kCoefReduce) {
-      coef[kRedShift * C + c] = static_cast<acc_t>(shift);
-      coef[kRedGain * C + c] = static_cast<acc_t>(g);
-    } else {
-      const double r = 1.0 / ScalarMath<double>::sqrt(load_param<double>(var, c, 0.0) + eps);
-      coef[kInShift * C + c] = static_cast<acc_t>(shift);
-      coef[kInA * C + c] = static_cast<acc_t>(g * r);
-      coef[kInB * C + c] = static_cast<acc_t>(-r * load_param<double>(mgx, c, 0.0));
-      coef[kInC0 * C + c] = static_cast<acc_t>(-g * r * load_param<double>(mg, c, 0.0));
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------
@@ -327,9 +238,9 @@ __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
         co.template apply<u>(cu[u], [&](auto get) {
 #pragma unroll
           for (int j = 0; j < K; ++j) {
-            acc_t z = ((to_acc<acc_t>(xv[u][j]) - get(kFwdMeanHi, j)) - get(kFwdMeanLo, j)) * get(kFwdScale, j) +
+            acc_t z = ((static_cast<acc_t>(xv[u][j]) - get(kFwdMeanHi, j)) - get(kFwdMeanLo, j)) * get(kFwdScale, j) +
                       get(kFwdShift, j);
-            if (res != nullptr) z += to_acc<acc_t>(rv[u][j]);
+            if (res != nullptr) z += static_cast<acc_t>(rv[u][j]);
             xv[u][j] = static_cast<scalar_t>(Fn::forward(z, param));
             if constexpr (A == Act::Silu) {
               if (j < remain && Fn::branch(z) != acc_t(0)) bits |= 1u << j;
@@ -396,10 +307,10 @@ __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
 #pragma unroll
         for (int j = 0; j < K; ++j) {
           acc_t d;
-          const acc_t z = Fn::inverse_deriv(to_acc<acc_t>(yv[u][j]), acc_t((bits[u] >> j) & 1u), param, d);
-          const acc_t gz = to_acc<acc_t>(dyv[u][j]) * d;
+          const acc_t z = Fn::inverse_deriv(static_cast<acc_t>(yv[u][j]), acc_t((bits[u] >> j) & 1u), param, d);
+          const acc_t gz = static_cast<acc_t>(dyv[u][j]) * d;
           acc_t zc = z - get(kInShift, j);
-          if (res != nullptr) zc -= to_acc<acc_t>(rv[u][j]);
+          if (res != nullptr) zc -= static_cast<acc_t>(rv[u][j]);
           dxv[j] = static_cast<scalar_t>(get(kInA, j) * gz + (get(kInB, j) * zc + get(kInC0, j)));
           gv[j] = static_cast<scalar_t>(gz);
         }
@@ -527,7 +438,7 @@ __global__ void __launch_bounds__(kRedThreads)
       scalar_t xv[K];
       load_k<K>(x + ((n * C + c) * Sv + s) * K, xv, true, K);
       if constexpr (K == 1) {
-        const acc_t xj = to_acc<acc_t>(xv[0]);
+        const acc_t xj = static_cast<acc_t>(xv[0]);
         ++cnt;
         const acc_t d = xj - mean;
         mean += d / static_cast<acc_t>(cnt);
@@ -538,7 +449,7 @@ __global__ void __launch_bounds__(kRedThreads)
         acc_t lsum = 0;
 #pragma unroll
         for (int j = 0; j < K; ++j) {
-          xs[j] = to_acc<acc_t>(xv[j]);
+          xs[j] = static_cast<acc_t>(xv[j]);
           lsum += xs[j];
         }
         const acc_t lmean = lsum * (acc_t(1) / acc_t(K));
@@ -591,7 +502,7 @@ __global__ void __launch_bounds__(kRedThreads)
       const acc_t inv = acc_t(1) / static_cast<acc_t>(cnt);
 #pragma unroll
       for (int j = 0; j < K; ++j) {
-        const acc_t xj = to_acc<acc_t>(xv[j]);
+        const acc_t xj = static_cast<acc_t>(xv[j]);
         const acc_t d = xj - mean[j];
         mean[j] += d * inv;
         m2[j] += d * (xj - mean[j]);
@@ -659,8 +570,8 @@ __global__ void __launch_bounds__(kRedThreads)
       const uint32_t bits = A == Act::Silu ? (mask[e >> 5] >> (e & 31)) : 0u;
 #pragma unroll
       for (int j = 0; j < K; ++j) {
-        const acc_t rj = res != nullptr ? to_acc<acc_t>(rv[j]) : acc_t(0);
-        GradTerms<acc_t, A>::add(to_acc<acc_t>(yv[j]), to_acc<acc_t>(dyv[j]), rj, (bits >> j) & 1u, shift, param,
+        const acc_t rj = res != nullptr ? static_cast<acc_t>(rv[j]) : acc_t(0);
+        GradTerms<acc_t, A>::add(static_cast<acc_t>(yv[j]), static_cast<acc_t>(dyv[j]), rj, (bits >> j) & 1u, shift, param,
                                  sg, sgx);
       }
       s += ds;
@@ -707,8 +618,8 @@ __global__ void __launch_bounds__(kRedThreads)
       const uint32_t bits = A == Act::Silu ? (mask[e >> 5] >> (e & 31)) : 0u;
 #pragma unroll
       for (int j = 0; j < K; ++j) {
-        const acc_t rj = res != nullptr ? to_acc<acc_t>(rv[j]) : acc_t(0);
-        GradTerms<acc_t, A>::add(to_acc<acc_t>(yv[j]), to_acc<acc_t>(dyv[j]), rj, (bits >> j) & 1u, shift[j],
+        const acc_t rj = res != nullptr ? static_cast<acc_t>(rv[j]) : acc_t(0);
+        GradTerms<acc_t, A>::add(static_cast<acc_t>(yv[j]), static_cast<acc_t>(dyv[j]), rj, (bits >> j) & 1u, shift[j],
                                  param, sg[j], sgx[j]);
       }
     }

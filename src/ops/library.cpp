@@ -1,13 +1,19 @@
-// The operator schemas of In-Place ABN, in one place: src/ops.cpp declares
-// them for the inplace_abn library, the CUDA emulator (src/cuda/emu) for its
-// own test library. DESIGN.md section 7.
-#pragma once
-
+// The inplace_abn operator library: its schemas, declared once for every device, and the CPU registration of the front ends (the CUDA
+// build adds src/cuda/register.cpp). Fake kernels and autograd live in Python
+// (inplace_abn/_backend.py, inplace_abn/functions.py). DESIGN.md section 7.
+#include <Python.h>
 #include <torch/library.h>
 
-namespace inplace_abn {
+#include "ops/ops.h"
 
-inline void define_schemas(torch::Library& m) {
+// Importing inplace_abn._C from Python loads this library and so runs the
+// registrations below; the module itself has no Python-level contents.
+PyMODINIT_FUNC PyInit__C(void) {  // PyMODINIT_FUNC: exported despite -fvisibility=hidden
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(inplace_abn, m) {
   // Per-channel batch statistics over all dims but 1: (mean, biased var),
   // float32 for float/half/bfloat16 inputs, float64 for double.
   m.def("batch_stats(Tensor x) -> (Tensor mean, Tensor var)");
@@ -29,4 +35,4 @@ inline void define_schemas(torch::Library& m) {
       "float activation_param, bool signed_weight, bool residual_grad) -> (Tensor dx, Tensor dresidual)");
 }
 
-}  // namespace inplace_abn
+TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) { IABN_IMPL_ALL(m); }

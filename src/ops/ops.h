@@ -1,15 +1,13 @@
-// The CUDA operators registered by register.cu; each is defined in its own
-// translation unit (batch_stats.cu, forward.cu, backward_reduce.cu,
-// backward_input.cu) around the shared host code of ops_impl.h.
+// The device-agnostic front ends of the four operators (schemas: src/ops/library.cpp),
+// registered for CPU by src/ops/library.cpp and for CUDA by src/cuda/register.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>
 
 namespace inplace_abn {
-namespace cuda_ops {
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x);
 
@@ -32,5 +30,11 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
                                                   double eps, int64_t activation, double activation_param,
                                                   bool signed_weight, bool residual_grad);
 
-}  // namespace cuda_ops
+// The same front ends for a device's dispatch key.
+#define IABN_IMPL_ALL(m)                                      \
+  m.impl("batch_stats", &::inplace_abn::batch_stats);         \
+  m.impl("forward_", &::inplace_abn::forward_);               \
+  m.impl("backward_reduce", &::inplace_abn::backward_reduce); \
+  m.impl("backward_input", &::inplace_abn::backward_input)
+
 }  // namespace inplace_abn

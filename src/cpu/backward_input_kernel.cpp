@@ -1,0 +1,56 @@
+// backward_input on the CPU: dx = a gz + b (z - shift [- residual]) + c0, dresidual = gz,
+// with z = f^-1(y), gz = dy f'(z).
+#include "cpu/kernel_utils.h"
+
+namespace inplace_abn {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+template <typename S, Act A, bool RES>
+void backward_input_t(const KernelArgs& a) {
+  using io = IO<S>;
+  using F = typename io::F;
+  using V = Vectorized<F>;
+  using Ac = Activation<A, VecMath<F>>;
+  const Walk g = walk_of(a.g);
+  const CoefRows<F, kInRows> cr(a, g);
+  const S* y = a.x.const_data_ptr<S>();
+  const S* dy = a.dy.const_data_ptr<S>();
+  const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
+  const int32_t* mask = A == Act::Silu ? a.mask.const_data_ptr<int32_t>() : nullptr;
+  S* dx = a.out1.data_ptr<S>();
+  S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
+  const V p(static_cast<F>(a.param));
+  at::parallel_for(0, g.numel, kGrain, [&](int64_t e0, int64_t e1) {
+    // local copies kept in registers (see forward_kernel.cpp)
+    const S *const y_ = y, *const dy_ = dy, *const res_ = res;
+    const int32_t* const mask_ = mask;
+    S *const dx_ = dx, *const dres_ = dres;
+    const V p_ = p;
+    for_each_vector(g, cr, e0, e1, [&](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
+      constexpr bool FULL = decltype(full)::value;
+      const V yv = io::template ld<FULL>(y_ + i, cnt), gv = io::template ld<FULL>(dy_ + i, cnt);
+      const V left = A == Act::Silu ? from_bits<F>(read_bits(mask_, i, cnt)) : V(F(0));
+      V d;
+      const V z = Ac::inverse_deriv(yv, left, p_, d);
+      const V gz = gv * d;
+      V zc = z - co.get(kInShift, j);
+      if constexpr (RES) zc = zc - io::template ld<FULL>(res_ + i, cnt);
+      io::template st<FULL>(dx_ + i, at::vec::fmadd(co.get(kInA, j), gz, at::vec::fmadd(co.get(kInB, j), zc, co.get(kInC0, j))), cnt);
+      if (dres_) io::template st<FULL>(dres_ + i, gz, cnt);
+    });
+  });
+}
+
+void backward_input_kernel(const KernelArgs& a) {
+  dispatch(a, [&](auto s, auto act, auto res) { backward_input_t<decltype(s), decltype(act)::value, decltype(res)::value>(a); });
+}
+
+}  // namespace
+
+IABN_REGISTER_CPU_KERNEL(backward_input_stub, &backward_input_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace inplace_abn

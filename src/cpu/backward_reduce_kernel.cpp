@@ -1,0 +1,66 @@
+// backward_reduce on the CPU: per channel, sum gz and sum gz (z - shift
+// [- residual]) / gain, with z = f^-1(y), gz = dy f'(z).
+#include "cpu/kernel_utils.h"
+
+namespace inplace_abn {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+template <typename S, Act A, bool RES>
+void backward_reduce_t(const KernelArgs& a) {
+  using io = IO<S>;
+  using F = typename io::F;
+  using V = Vectorized<F>;
+  using Ac = Activation<A, VecMath<F>>;
+  constexpr bool MASK = A == Act::Silu;
+  const S* y = a.x.const_data_ptr<S>();
+  const S* dy = a.dy.const_data_ptr<S>();
+  const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
+  const int32_t* mask = MASK ? a.mask.const_data_ptr<int32_t>() : nullptr;
+  const V p(static_cast<F>(a.param));
+  const int64_t C = a.g.C;
+  std::vector<double> s1(C), s2(C);
+  reduce2<F>(
+      walk_of(a.g), coef_row<F>(a, kRedShift),
+      [=](int64_t i, int64_t j, int cnt, auto full, const auto& co, V& u, V& v) {
+        constexpr bool FULL = decltype(full)::value;
+        if constexpr (FULL) {
+          prefetch(y + i + kPrefetch);
+          prefetch(dy + i + kPrefetch);
+          if constexpr (RES) prefetch(res + i + kPrefetch);
+        }
+        const V left = MASK ? from_bits<F>(read_bits(mask, i, cnt)) : V(F(0));
+        V d;
+        const V z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d);
+        V gz = io::template ld<FULL>(dy + i, cnt) * d;
+        V zc = z - co.get(0, j);
+        if constexpr (RES) zc = zc - io::template ld<FULL>(res + i, cnt);
+        if constexpr (!FULL) {
+          gz = V::set(V(F(0)), gz, cnt);
+          zc = V::set(V(F(0)), zc, cnt);
+        }
+        u = gz;
+        v = zc;
+      },
+      s1.data(), s2.data());
+  const F* gain = coef_row<F>(a, kRedGain);
+  F* sum_gz = a.out1.data_ptr<F>();
+  F* sum_gz_xhat = a.out2.data_ptr<F>();
+  for (int64_t c = 0; c < C; ++c) {
+    sum_gz[c] = static_cast<F>(s1[c]);
+    sum_gz_xhat[c] = static_cast<F>(s2[c] / static_cast<double>(gain[c]));
+  }
+}
+
+void backward_reduce_kernel(const KernelArgs& a) {
+  dispatch(a, [&](auto s, auto act, auto res) { backward_reduce_t<decltype(s), decltype(act)::value, decltype(res)::value>(a); });
+}
+
+}  // namespace
+
+IABN_REGISTER_CPU_KERNEL(backward_reduce_stub, &backward_reduce_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace inplace_abn

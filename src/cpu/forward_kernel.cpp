@@ -1,0 +1,56 @@
+// forward_ on the CPU: x <- f((x - mean_hi - mean_lo) scale + shift [+ residual]), in place;
+// SiLU: the branch bits [z < z*] in memory order.
+#include "cpu/kernel_utils.h"
+
+namespace inplace_abn {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+template <typename S, Act A, bool RES>
+void forward_t(const KernelArgs& a) {
+  using io = IO<S>;
+  using F = typename io::F;
+  using V = Vectorized<F>;
+  using Ac = Activation<A, VecMath<F>>;
+  constexpr bool MASK = A == Act::Silu;
+  const Walk g = walk_of(a.g);
+  const CoefRows<F, kFwdRows> cr(a, g);
+  S* x = a.x.data_ptr<S>();
+  const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
+  int32_t* mask = MASK ? a.mask.data_ptr<int32_t>() : nullptr;
+  const V p(static_cast<F>(a.param));
+  // Tasks start on mask-word boundaries so that no two write the same word.
+  at::parallel_for(0, (g.numel + 31) / 32, kGrain / 32, [&](int64_t w0, int64_t w1) {
+    // local copies: the captured originals' addresses escape into the thread pool, so
+    // each vector store reloaded them (leaky_relu forward_ 16x64x56x56, 2 threads: 0.50 -> 0.38 ms)
+    S* const x_ = x;
+    const S* const res_ = res;
+    const V p_ = p;
+    BitWriter bw(MASK ? mask + w0 : nullptr);
+    for_each_vector(g, cr, w0 * 32, std::min(w1 * 32, g.numel), [&](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
+      constexpr bool FULL = decltype(full)::value;
+      V z = at::vec::fmadd((io::template ld<FULL>(x_ + i, cnt) - co.get(kFwdMeanHi, j)) - co.get(kFwdMeanLo, j),
+                           co.get(kFwdScale, j), co.get(kFwdShift, j));
+      if constexpr (RES) z = z + io::template ld<FULL>(res_ + i, cnt);
+      io::template st<FULL>(x_ + i, Ac::forward(z, p_), cnt);
+      if constexpr (MASK) {  // Silu::branch(z) = [z < z*], one compare
+        const uint32_t bits = lt_bits(z, V(static_cast<F>(kSiluZStar)));
+        bw.put(FULL ? bits : bits & low_bits(cnt), cnt);
+      }
+    });
+    if (MASK) bw.flush();
+  });
+}
+
+void forward_kernel(const KernelArgs& a) {
+  dispatch(a, [&](auto s, auto act, auto res) { forward_t<decltype(s), decltype(act)::value, decltype(res)::value>(a); });
+}
+
+}  // namespace
+
+IABN_REGISTER_CPU_KERNEL(forward_stub, &forward_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace inplace_abn

@@ -1,0 +1,718 @@
+// Shared code of the CPU kernels (src/cpu/<op>_kernel.cpp), written on
+// at::vec::Vectorized and at::parallel_for. Every kernel file is compiled once
+// per instruction set with that ISA's flags and CPU_CAPABILITY (setup.py), so
+// everything here lives in namespace inplace_abn::cpu::CPU_CAPABILITY, inside
+// an unnamed namespace: the per-ISA copies never collide at link time.
+//
+// The element-wise math comes from activations.h, instantiated with the
+// vector policy VecMath below.
+//
+// Memory is walked in its own order (see Walk) as a sequence of segments that
+// each keep their channel pattern:
+//  - planar (contiguous N, C, S): a segment is (part of) one (n, c) plane, the
+//    channel coefficients are broadcast scalars;
+//  - rows (channels-last and (N, C); contiguous with small planes): a segment
+//    is (part of) a "super-row" of R = k C inner elements (k rows of the
+//    channel pattern, R >= 256 so short rows still fill vectors), the
+//    coefficients are arrays over the super-row, loaded at the segment offset.
+// Within a segment: full vectors, then one partial vector (masked load /
+// store). Every element goes through the same vector code, so results do not
+// depend on where segment or thread boundaries fall.
+//
+// Reductions use a partition that depends on the shape only (planes or plane
+// parts; blocks of super-rows), with one partial result per unit written to
+// its own slot and combined in a fixed order: results are bitwise
+// reproducible for any thread count. Sums accumulate in double (in planes,
+// groups of four vectors are added in the compute type first, see reduce2).
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "activations.h"
+#include "ops/kernel.h"
+
+#ifndef CPU_CAPABILITY
+#error "compile the CPU kernels with -DCPU_CAPABILITY=<ISA> (setup.py does)"
+#endif
+
+namespace inplace_abn {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+// ---------------------------------------------------------------------------
+// Lane-wise helpers on at::vec.
+
+template <typename F>
+using IntOf = std::conditional_t<sizeof(F) == 4, int32_t, int64_t>;
+
+inline uint32_t low_bits(int cnt) { return static_cast<uint32_t>((uint64_t(1) << cnt) - 1); }
+
+// Comparisons and selects. AVX512 uses mask registers: at::vec's AVX512
+// compares return vectors that blendv compares again, which made SiLU
+// backward_reduce 34% and leaky_relu forward_ 27% slower (16x64x56x56 float,
+// 1 thread: 6.28 vs 4.69 ms, 0.85 vs 0.67 ms; bench_cpu_ops.py measures these).
+enum class Cmp { Lt, Ge, Ne };  // ordered <, ordered >=, unordered !=
+
+template <Cmp P, typename F>
+inline Vectorized<F> cmp(const Vectorized<F>& v, const Vectorized<F>& w) {
+  return P == Cmp::Lt ? v < w : P == Cmp::Ge ? v >= w : v != w;
+}
+
+// cmp(v, w) ? a : b
+template <Cmp P, typename F>
+inline Vectorized<F> sel(const Vectorized<F>& v, const Vectorized<F>& w, const Vectorized<F>& a,
+                         const Vectorized<F>& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr int k = P == Cmp::Lt ? _CMP_LT_OQ : P == Cmp::Ge ? _CMP_GE_OQ : _CMP_NEQ_UQ;
+  if constexpr (std::is_same_v<F, float>)
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, w, k), b, a);
+  else
+    return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, w, k), b, a);
+#else
+  return Vectorized<F>::blendv(b, a, cmp<P>(v, w));
+#endif
+}
+
+// Bit i set where lane i of v is < w.
+template <typename F>
+inline uint32_t lt_bits(const Vectorized<F>& v, const Vectorized<F>& w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<F, float>) return _mm512_cmp_ps_mask(v, w, _CMP_LT_OQ);
+#endif
+  return ~static_cast<uint32_t>((v < w).zero_mask()) & low_bits(Vectorized<F>::size());
+}
+
+// Lane i = 1 where bit i is set, else 0.
+template <typename F>
+inline Vectorized<F> from_bits(uint32_t bits) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<F, float>) return _mm512_maskz_mov_ps(static_cast<__mmask16>(bits), _mm512_set1_ps(1.f));
+#endif
+  using VI = Vectorized<IntOf<F>>;
+  alignas(64) static constexpr IntOf<F> kLane[16] = {1,     2,     4,     8,     16,    32,     64,     128,
+                                                    1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15};
+  const VI b = VI(static_cast<IntOf<F>>(bits)) & VI::loadu(kLane);
+  return at::vec::convert_to_fp_of_same_size<F>(b.ne(VI(0)));
+}
+
+// sign bit of v set ? a : b
+template <typename F>
+inline Vectorized<F> select_signbit(const Vectorized<F>& v, const Vectorized<F>& a, const Vectorized<F>& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<F, float>)
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(v)), b, a);
+#endif
+  using I = IntOf<F>;
+  const auto sign = at::vec::cast<I>(v) >> Vectorized<I>(I(sizeof(F) * 8 - 1));  // all-ones where set
+  return Vectorized<F>::blendv(b, a, at::vec::cast<F>(sign));
+}
+
+// max / min without NaN handling beyond the hardware's (x86 max / min return
+// their second operand when either is NaN: vmax(a, b) = max(b, a) keeps a NaN a)
+template <typename F>
+inline Vectorized<F> vmax(const Vectorized<F>& a, const Vectorized<F>& b) {
+  return at::vec::clamp_min(a, b);
+}
+template <typename F>
+inline Vectorized<F> vmin(const Vectorized<F>& a, const Vectorized<F>& b) {
+  return at::vec::clamp_max(a, b);
+}
+
+// e^x, float: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and
+// Cephes' expf polynomial (about 1 ulp); at::vec's exp calls Sleef, which
+// costs more than the whole computation here. 2^n is built from its exponent
+// bits: n stays in [-126, 127] (e^x capped at e^88.03 below the overflow
+// threshold 88.72, inf above it; 0 below -87.34).
+inline Vectorized<float> vexp(const Vectorized<float>& x) {
+  using V = Vectorized<float>;
+  using VI = Vectorized<int32_t>;
+#if defined(CPU_CAPABILITY_AVX512)
+  // AVX512: p 2^n by vscalefps, no clamp or blends (the old kernels' form; not timed apart from the selects)
+  const V xv = x;
+#else
+  const V xv = vmin(vmax(x, V(-87.3365447504f)), V(88.02969193f));  // keeps NaN
+#endif
+  const V n = (xv * V(1.44269504088896341f)).round();
+  V r = at::vec::fnmadd(n, V(0.693359375f), xv);
+  r = at::vec::fnmadd(n, V(-2.12194440e-4f), r);
+  V p = V(1.9875691500e-4f);
+  p = at::vec::fmadd(p, r, V(1.3981999507e-3f));
+  p = at::vec::fmadd(p, r, V(8.3334519073e-3f));
+  p = at::vec::fmadd(p, r, V(4.1665795894e-2f));
+  p = at::vec::fmadd(p, r, V(1.6666665459e-1f));
+  p = at::vec::fmadd(p, r, V(5.0000001201e-1f));
+  p = at::vec::fmadd(p, r * r, r + V(1.f));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(p, n);
+#else
+  const VI e = (at::vec::convert_to_int_of_same_size(n) + VI(127)) << VI(23);
+  const V res = sel<Cmp::Lt>(x, V(-87.3365447504f), V(0.f), p * at::vec::cast<float>(e));
+  return sel<Cmp::Lt>(V(88.7228391f), x, V(INFINITY), res);
+#endif
+}
+inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
+
+// log(x), x > 0 normal, float: x = m 2^e, m in [sqrt(1/2), sqrt(2)), and
+// Cephes' logf polynomial for log(m) (about 1 ulp).
+inline Vectorized<float> vlog(const Vectorized<float>& x) {
+  using V = Vectorized<float>;
+  using VI = Vectorized<int32_t>;
+  const VI bits = at::vec::cast<int32_t>(x);
+  V e = at::vec::convert_to_fp_of_same_size<float>((bits >> VI(23)) - VI(126));
+  const V m = at::vec::cast<float>((bits & VI(0x007fffff)) | VI(0x3f000000));  // [0.5, 1)
+  const V small = m < V(0.707106781186547524f);
+  e = e - (small & V(1.f));
+  const V f = (m - V(1.f)) + (small & m);  // 2m - 1 or m - 1
+  const V z = f * f;
+  V p = V(7.0376836292e-2f);
+  p = at::vec::fmadd(p, f, V(-1.1514610310e-1f));
+  p = at::vec::fmadd(p, f, V(1.1676998740e-1f));
+  p = at::vec::fmadd(p, f, V(-1.2420140846e-1f));
+  p = at::vec::fmadd(p, f, V(1.4249322787e-1f));
+  p = at::vec::fmadd(p, f, V(-1.6668057665e-1f));
+  p = at::vec::fmadd(p, f, V(2.0000714765e-1f));
+  p = at::vec::fmadd(p, f, V(-2.4999993993e-1f));
+  p = at::vec::fmadd(p, f, V(3.3333331174e-1f));
+  p = p * f * z;
+  p = at::vec::fmadd(e, V(-2.12194440e-4f), p);
+  p = at::vec::fmadd(z, V(-0.5f), p);
+  return at::vec::fmadd(e, V(0.693359375f), f + p);
+}
+inline Vectorized<double> vlog(const Vectorized<double>& x) { return x.log(); }
+
+// ---------------------------------------------------------------------------
+// The vector math policy of activations.h.
+template <typename F>
+struct VecMath {
+  using Scalar = F;
+  using T = Vectorized<F>;
+  static T c(double v) { return T(static_cast<F>(v)); }
+  static T fma(const T& a, const T& b, const T& c) { return at::vec::fmadd(a, b, c); }
+  static T exp(const T& x) { return vexp(x); }
+  static T log(const T& x) { return vlog(x); }
+  static T sqrt(const T& x) { return x.sqrt(); }
+  static T rcp(const T& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+    // AVX512 float: 14-bit estimate + one Newton step (error ~2^-28) instead of vdivps
+    // (the old kernels' form; not timed apart from the selects)
+    if constexpr (std::is_same_v<F, float>) {
+      const __m512 r = _mm512_rcp14_ps(x);
+      return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
+    }
+#endif
+    return T(F(1)) / x;
+  }
+  // at::vec's expm1 / log1p call Sleef versions that are very slow in
+  // libtorch builds; Kahan's compensated forms are accurate to a few ulp:
+  //   expm1(x) = (u - 1) x / log(u), u = e^x;  log1p(x) = log(u) x / (u - 1), u = 1 + x
+  static T expm1(const T& x) {
+    const T one(F(1)), zero(F(0));
+    T u = exp(x);
+    T um1 = u - one;
+    T r = sel<Cmp::Ne>(u, one, um1 * x / log(u), x);  // u == 1: x
+    r = sel<Cmp::Ne>(u, zero, r, T(F(-1)));           // u == 0: -1
+    return sel<Cmp::Lt>(u, T(F(2)), r, um1);          // u >= 2: u - 1 is exact enough
+  }
+  static T log1p(const T& x) {
+    const T one(F(1));
+    T u = x + one;
+    return sel<Cmp::Ne>(u, one, log(u) * x / (u - one), x);  // u == 1: x
+  }
+  static T max(const T& a, const T& b) { return vmax(a, b); }
+  static T min(const T& a, const T& b) { return vmin(a, b); }
+  static T if_nonneg(const T& v, const T& a, const T& b) { return sel<Cmp::Ge>(v, T(F(0)), a, b); }
+  static T if_signbit(const T& v, const T& a, const T& b) { return select_signbit(v, a, b); }
+  static T if_less(const T& v, const T& w, const T& a, const T& b) { return sel<Cmp::Lt>(v, w, a, b); }
+  static T if_set(const T& flag, const T& a, const T& b) { return sel<Cmp::Ne>(flag, T(F(0)), a, b); }
+  static bool any(const T& flag) { return flag.zero_mask() != static_cast<int>(low_bits(T::size())); }
+};
+
+// The traversal of the kernels: numel elements in memory order, C channels,
+// the channel of e is (e / inner) % C; rows: see the top of the file.
+struct Walk {
+  int64_t numel, C, inner;
+  bool rows;
+};
+
+// ---------------------------------------------------------------------------
+// Loads and stores of W = Vectorized<F>::size() elements of the storage type,
+// converted to / from the compute type F. Partial variants touch n < W
+// elements only; the other lanes load as zero. ld / st: full when FULL.
+template <typename S, class Base>
+struct IOFull : Base {
+  using V = typename Base::V;
+  template <bool FULL>
+  static V ld(const S* p, int64_t n) {
+    return FULL ? Base::load(p) : Base::load(p, n);
+  }
+  template <bool FULL>
+  static void st(S* p, const V& v, int64_t n) {
+    FULL ? Base::store(p, v) : Base::store(p, v, n);
+  }
+};
+template <typename S>
+struct IOPlain {
+  using F = S;
+  using V = Vectorized<F>;
+  static constexpr int W = V::size();
+  static V load(const S* p) { return V::loadu(p); }
+  static V load(const S* p, int64_t n) { return V::loadu(p, n); }
+  static void store(S* p, const V& v) { v.store(p); }
+  static void store(S* p, const V& v, int64_t n) { v.store(p, n); }
+};
+template <typename H>
+struct IOReduced {
+  using F = float;
+  using V = Vectorized<float>;
+  static constexpr int W = V::size();
+  static V load(const H* p) {
+    V out;
+    at::vec::load_to_float<H>(p, out);
+    return out;
+  }
+  static V load(const H* p, int64_t n) {
+    H buf[W];
+    for (int i = 0; i < W; ++i) buf[i] = H(0.f);
+    std::memcpy(buf, p, n * sizeof(H));
+    return load(buf);
+  }
+  static void store(H* p, const V& v) { at::vec::convert_from_float<H>(v, v).store(p, W); }
+  static void store(H* p, const V& v, int64_t n) { at::vec::convert_from_float<H>(v, v).store(p, n); }
+};
+template <typename S>
+using IO = IOFull<S, std::conditional_t<sizeof(S) == 2, IOReduced<S>, IOPlain<S>>>;
+
+// ---------------------------------------------------------------------------
+// Walking memory by segments (see the top of the file).
+
+// Length of the super-row: k whole rows of P = C S, at least kMinRow elements.
+constexpr int64_t kMinRow = 256;
+inline int64_t super_row(const Walk& g) {
+  const int64_t P = g.C * g.inner;
+  return P * std::max<int64_t>(1, (kMinRow + P - 1) / P);
+}
+
+// Calls fn(e, n, key) for consecutive segments covering [e0, e1); key is the
+// channel (planar) or the offset in the super-row (rows).
+template <class Fn>
+inline void walk(const Walk& g, int64_t R, int64_t e0, int64_t e1, const Fn& fn) {
+  if (!g.rows) {
+    int64_t p = e0 / g.inner;
+    int64_t o = e0 - p * g.inner;
+    while (e0 < e1) {
+      int64_t n = std::min(e1 - e0, g.inner - o);
+      fn(e0, n, p % g.C);
+      e0 += n;
+      ++p;
+      o = 0;
+    }
+  } else {
+    int64_t o = e0 % R;
+    while (e0 < e1) {
+      int64_t n = std::min(e1 - e0, R - o);
+      fn(e0, n, o);
+      e0 += n;
+      o = 0;
+    }
+  }
+}
+
+// A per-channel vector spread over the super-row (position r holds channel
+// (r / S) % C), padded with one vector of zeros so that a partial vector at
+// the end of a segment can be loaded whole.
+template <typename F>
+std::vector<F> expand(const F* src, const Walk& g, int64_t R) {
+  std::vector<F> out(R + Vectorized<F>::size(), F(0));
+  F* o = out.data();
+  for (int64_t k = 0; k < R / (g.C * g.inner); ++k)
+    for (int64_t c = 0; c < g.C; ++c)
+      for (int64_t s = 0; s < g.inner; ++s) *o++ = src[c];
+  return out;
+}
+
+// Per-channel coefficient source for one segment: broadcast scalars (planar)
+// or arrays read at the segment offset (rows).
+template <typename F, int K, bool ROWS>
+struct Coef {
+  using V = Vectorized<F>;
+  static constexpr bool kRows = ROWS;
+  V bc[K];
+  const F* arr[K];
+  V get(int k, int64_t j) const {
+    if constexpr (ROWS)
+      return V::loadu(arr[k] + j);
+    else
+      return bc[k];
+  }
+  // key: the channel (planar) or the offset in the super-row (rows)
+  void set(int k, const F* per_channel, const std::vector<F>& expanded, int64_t key) {
+    if constexpr (ROWS)
+      arr[k] = expanded.data() + key;
+    else
+      bc[k] = V(per_channel[key]);
+  }
+};
+
+// Runs body(co) with the coefficients of the segment at `key` set up from
+// the per-channel arrays src[k] (planar) or their expansions exp[k] (rows).
+template <typename F, int K, class Body>
+inline void with_coef(bool rows, int64_t key, const F* const* src, const std::vector<F>* exp, const Body& body) {
+  if (rows) {
+    Coef<F, K, true> co;
+    for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], key);
+    body(co);
+  } else {
+    Coef<F, K, false> co;
+    for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], key);
+    body(co);
+  }
+}
+
+// Runs step(j, cnt, full) over a segment of n elements: full vectors, then
+// one partial vector.
+template <int W, class Step>
+inline void for_vectors(int64_t n, const Step& step) {
+  int64_t j = 0;
+  for (; j + W <= n; j += W) step(j, W, std::true_type{});
+  if (j < n) step(j, static_cast<int>(n - j), std::false_type{});
+}
+
+// Row k of the coefficient table (compute type F).
+template <typename F>
+inline const F* coef_row(const KernelArgs& a, int k) {
+  return a.coef.const_data_ptr<F>() + k * a.g.C;
+}
+
+// The K rows of the coefficient table, as per-channel arrays (src) and, for
+// rows, spread over the super-row of length R (exp).
+template <typename F, int K>
+struct CoefRows {
+  const F* src[K];
+  std::vector<F> exp[K];
+  int64_t R;
+  CoefRows(const KernelArgs& a, const Walk& g) : R(g.rows ? super_row(g) : 0) {
+    for (int k = 0; k < K; ++k) {
+      src[k] = coef_row<F>(a, k);
+      if (g.rows) exp[k] = expand(src[k], g, R);
+    }
+  }
+};
+
+// Runs step(i, j, cnt, full, co) for the vectors of [e0, e1): i the flat
+// index, j the offset in the segment, co its coefficients (element-wise kernels).
+template <typename F, int K, class Step>
+inline void for_each_vector(const Walk& g, const CoefRows<F, K>& cr, int64_t e0, int64_t e1, const Step& step) {
+  constexpr int W = Vectorized<F>::size();
+  walk(g, cr.R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
+    with_coef<F, K>(g.rows, key, cr.src, cr.exp, [&](const auto& co) {
+      int64_t j = 0;  // (no lambda level more than needed: GCC stops inlining the SiLU body)
+      for (; j + W <= n; j += W) step(e + j, j, W, std::true_type{}, co);
+      if (j < n) step(e + j, j, static_cast<int>(n - j), std::false_type{}, co);
+    });
+  });
+}
+
+// Packed mask bits, written 32 at a time from a word-aligned start.
+struct BitWriter {
+  int32_t* w;
+  uint64_t acc = 0;
+  int nb = 0;
+  explicit BitWriter(int32_t* p) : w(p) {}
+  void put(uint32_t bits, int cnt) {
+    acc |= static_cast<uint64_t>(bits) << nb;
+    nb += cnt;
+    if (nb >= 32) {
+      *w++ = static_cast<int32_t>(static_cast<uint32_t>(acc));
+      acc >>= 32;
+      nb -= 32;
+    }
+  }
+  void flush() {
+    if (nb > 0) *w = static_cast<int32_t>(static_cast<uint32_t>(acc));
+  }
+};
+
+// cnt (<= 32) mask bits starting at element e.
+inline uint32_t read_bits(const int32_t* mask, int64_t e, int cnt) {
+  const int64_t w = e >> 5;
+  const int sh = static_cast<int>(e & 31);
+  uint64_t v = static_cast<uint32_t>(mask[w]);
+  if (sh + cnt > 32) v |= static_cast<uint64_t>(static_cast<uint32_t>(mask[w + 1])) << 32;
+  return static_cast<uint32_t>(v >> sh) & static_cast<uint32_t>((uint64_t(1) << cnt) - 1);
+}
+
+
+// Software prefetch kPrefetch elements ahead in the reductions: their loops
+// carry enough work per vector (double accumulators) that the hardware
+// prefetchers alone leave DRAM bandwidth unused once the data leaves the cache.
+constexpr int64_t kPrefetch = 2048;
+template <typename S>
+inline void prefetch(const S* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 0);
+#endif
+}
+
+// Grain of the element-wise kernels, in elements.
+constexpr int64_t kGrain = 16384;
+
+// ---------------------------------------------------------------------------
+// Reductions: per channel, sum u and sum u v for per-element (u, v) in double.
+// A unit of work is
+//  planar: a part of a plane (at most kPart elements), sums in registers;
+//  rows: a block of about kBlock elements (whole super-rows), sums in arrays
+//        of length R, folded to C at the end of the unit;
+// each unit writes its own partial sums; they are combined afterwards in
+// unit order, so the result does not depend on the thread count.
+
+constexpr int64_t kPart = 1 << 16;
+constexpr int64_t kBlock = 1 << 15;
+
+// A compute-type vector in double: two double vectors for float, one for double.
+template <typename F>
+struct DPair {
+  static constexpr int N = sizeof(F) == sizeof(float) ? 2 : 1;
+  Vectorized<double> v[N];
+};
+// (at::vec::convert<double> goes through partial loads here; this loop compiles to vcvtps2pd)
+inline DPair<float> todp(const Vectorized<float>& x) {
+  constexpr int W = Vectorized<float>::size();
+  alignas(64) float f[W];
+  alignas(64) double d[W];
+  x.store(f);
+  for (int i = 0; i < W; ++i) d[i] = f[i];
+  return DPair<float>{{Vectorized<double>::loadu(d), Vectorized<double>::loadu(d + W / 2)}};
+}
+inline DPair<double> todp(const Vectorized<double>& x) { return DPair<double>{{x}}; }
+
+template <typename F>
+inline double lane_sum(const DPair<F>& a) {
+  constexpr int H = Vectorized<double>::size();
+  double t[DPair<F>::N * H];
+  for (int k = 0; k < DPair<F>::N; ++k) a.v[k].store(t + k * H);
+  double s = 0;
+  for (int i = 0; i < DPair<F>::N * H; ++i) s += t[i];
+  return s;
+}
+
+// elem(i, j, cnt, full, co, u, v): for the vector of elements at flat index
+// i, segment offset j (cnt valid lanes; invalid lanes must give u = 0 and a
+// finite v), the compute-type vectors u, v; the sums are sum u and sum u v,
+// taken in double. Planes: four consecutive vectors are first combined
+// pairwise in the compute type (two more roundings, then double), which
+// quarters the conversions. Rows are walked strictly in memory order
+// (interleaving rows costs more DRAM bandwidth than it saves); their sums are
+// kept in the compute type over a few super-rows, then added to double.
+// coef: the per-channel coefficient that co.get(0, j) gives. elem should
+// capture by value: it is copied into each parallel task.
+template <typename F, class Elem>
+void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, double* out2) {
+  constexpr int K = 1;
+  const F* const src[K] = {coef};
+  using D = Vectorized<double>;
+  using V = Vectorized<F>;
+  constexpr int W = Vectorized<F>::size();
+  constexpr int H = D::size();
+  constexpr int NP = DPair<F>::N;
+  const int64_t C = g.C;
+  if (!g.rows) {
+    const int64_t S = g.inner;
+    const int64_t parts = (S + kPart - 1) / kPart;
+    const int64_t part = (S + parts - 1) / parts;
+    const int64_t planes = g.numel / S;
+    const int64_t units = planes * parts;
+    std::vector<double> buf(2 * units);
+    std::vector<F> noexp[K];
+    const int64_t grain = std::max<int64_t>(1, kBlock / std::min(S, part));
+    at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+      const Elem el = elem;  // a local copy stays in registers (see for_each_vector's callers)
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t pl = u / parts, pt = u - pl * parts;
+        const int64_t b = pl * S + pt * part;
+        const int64_t n = std::min(part, S - pt * part);
+        Coef<F, K, false> co;
+        for (int k = 0; k < K; ++k) co.set(k, src[k], noexp[k], pl % C);
+        DPair<F> s1, s2;
+        for (int k = 0; k < NP; ++k) s1.v[k] = s2.v[k] = D(0.0);
+        auto acc_exact = [&](const V& uu, const V& vv) {
+          DPair<F> du = todp(uu), dv = todp(vv);
+          for (int k = 0; k < NP; ++k) {
+            s1.v[k] = s1.v[k] + du.v[k];
+            s2.v[k] = at::vec::fmadd(du.v[k], dv.v[k], s2.v[k]);
+          }
+        };
+        int64_t j = 0;
+        for (; j + 4 * W <= n; j += 4 * W) {  // four vectors summed pairwise in F first, then in double
+          V u0, v0, u1, v1, u2, v2, u3, v3;
+          el(b + j, j, W, std::true_type{}, co, u0, v0);
+          el(b + j + W, j + W, W, std::true_type{}, co, u1, v1);
+          el(b + j + 2 * W, j + 2 * W, W, std::true_type{}, co, u2, v2);
+          el(b + j + 3 * W, j + 3 * W, W, std::true_type{}, co, u3, v3);
+          DPair<F> du = todp((u0 + u1) + (u2 + u3));
+          DPair<F> dw = todp(at::vec::fmadd(u1, v1, u0 * v0) + at::vec::fmadd(u3, v3, u2 * v2));
+          for (int k = 0; k < NP; ++k) {
+            s1.v[k] = s1.v[k] + du.v[k];
+            s2.v[k] = s2.v[k] + dw.v[k];
+          }
+        }
+        for_vectors<W>(n - j, [&](int64_t jj, int cnt, auto full) {
+          V uu, vv;
+          el(b + j + jj, j + jj, cnt, full, co, uu, vv);
+          acc_exact(uu, vv);
+        });
+        buf[2 * u] = lane_sum(s1);
+        buf[2 * u + 1] = lane_sum(s2);
+      }
+    });
+    const int64_t N = planes / C;
+    for (int64_t c = 0; c < C; ++c) {
+      double a1 = 0, a2 = 0;
+      for (int64_t nn = 0; nn < N; ++nn)
+        for (int64_t pt = 0; pt < parts; ++pt) {
+          const int64_t u = (nn * C + c) * parts + pt;
+          a1 += buf[2 * u];
+          a2 += buf[2 * u + 1];
+        }
+      out1[c] = a1;
+      out2[c] = a2;
+    }
+  } else {
+    const int64_t R = super_row(g);
+    std::vector<F> exp[K];
+    for (int k = 0; k < K; ++k) exp[k] = expand(src[k], g, R);
+    const int64_t nsr = (g.numel + R - 1) / R;
+    // super-rows per unit: about kBlock elements, and at least 4 super-rows
+    // when these are long, so that clearing and folding the accumulators
+    // stays small next to the data
+    const int64_t br = std::max<int64_t>(R >= kBlock / 4 ? 4 : 1, kBlock / R);
+    const int64_t units = (nsr + br - 1) / br;
+    std::vector<double> buf(2 * C * units);
+    // Sums over kRowGroup super-rows are kept in the compute type (one load and
+    // one store per vector and sum), then added to double: a double
+    // accumulator per element would cost four loads and four stores per float
+    // vector, which bound the loop on the store port. Same rounding class as
+    // the planar pairs (a handful of compute-type additions, then double).
+    constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 4 : int64_t(1) << 40;
+    // padded accumulator length, a whole number of cache lines
+    const int64_t RP = (R + W + 15) / 16 * 16;
+    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+      const Elem el = elem;
+      // 64-byte aligned accumulators: unaligned vector stores split lines
+      std::vector<double> dmem(2 * RP + 8);
+      std::vector<F> fmem(2 * RP + 64 / sizeof(F));
+      auto align = [](auto* p) {
+        using P = std::remove_pointer_t<decltype(p)>;
+        const uintptr_t mis = reinterpret_cast<uintptr_t>(p) % 64;
+        return mis == 0 ? p : p + (64 - mis) / sizeof(P);
+      };
+      double* const dacc = align(dmem.data());
+      F* const facc = align(fmem.data());
+      auto flush = [&]() {  // double += compute type, then clear the latter
+        for (int64_t j = 0; j < 2 * RP; j += W) {
+          DPair<F> d = todp(V::loadu(facc + j));
+          for (int k = 0; k < NP; ++k) (D::loadu(dacc + j + k * H) + d.v[k]).store(dacc + j + k * H);
+          V(F(0)).store(facc + j);
+        }
+      };
+      Coef<F, K, true> co;  // every super-row starts at offset 0 of the pattern
+      for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], 0);
+      for (int64_t u = u0; u < u1; ++u) {
+        std::fill(dacc, dacc + 2 * RP, 0.0);
+        std::fill(facc, facc + 2 * RP, F(0));
+        const int64_t r0 = u * br, r1 = std::min(nsr, (u + 1) * br);
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t e = r * R;
+          const int64_t n = std::min(R, g.numel - e);
+          for_vectors<W>(n, [&](int64_t j, int cnt, auto full) {
+            V uu, vv;
+            el(e + j, j, cnt, full, co, uu, vv);
+            F* p1 = facc + j;
+            F* p2 = facc + RP + j;
+            (V::loadu(p1) + uu).store(p1);
+            at::vec::fmadd(uu, vv, V::loadu(p2)).store(p2);
+          });
+          if ((r - r0) % kRowGroup == kRowGroup - 1 || r + 1 == r1) flush();
+        }
+        // fold the super-row to channels (a fixed order: rows, then positions)
+        double* o = buf.data() + 2 * C * u;
+        std::fill(o, o + 2 * C, 0.0);
+        for (int64_t k = 0; k < R / (C * g.inner); ++k)
+          for (int64_t c = 0; c < C; ++c) {
+            const double* p1 = dacc + (k * C + c) * g.inner;
+            const double* p2 = p1 + RP;
+            D v1(0.0), v2(0.0);
+            int64_t sidx = 0;
+            for (; sidx + H <= g.inner; sidx += H) {
+              v1 = v1 + D::loadu(p1 + sidx);
+              v2 = v2 + D::loadu(p2 + sidx);
+            }
+            double t1 = lane_sum<double>(DPair<double>{{v1}});
+            double t2 = lane_sum<double>(DPair<double>{{v2}});
+            for (; sidx < g.inner; ++sidx) {
+              t1 += p1[sidx];
+              t2 += p2[sidx];
+            }
+            o[c] += t1;
+            o[C + c] += t2;
+          }
+      }
+    });
+    for (int64_t c = 0; c < C; ++c) {
+      double a1 = 0, a2 = 0;
+      for (int64_t u = 0; u < units; ++u) {
+        a1 += buf[2 * C * u + c];
+        a2 += buf[2 * C * u + C + c];
+      }
+      out1[c] = a1;
+      out2[c] = a2;
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------
+// How a kernel walks memory: the channel of position e is (e / inner) % C.
+// Contiguous tensors with planes smaller than kRowsMaxPlane elements use the
+// rows path when one row of the channel pattern (C inner elements) is at most
+// kRowsMaxPeriod: its coefficient arrays and (reductions) double accumulators
+// then stay within L2.
+constexpr int64_t kRowsMaxPlane = 512;
+constexpr int64_t kRowsMaxPeriod = 32768;
+
+inline Walk walk_of(const Geometry& g) {
+  Walk w{g.numel, g.C, g.inner(), true};
+  if (!g.channels_last) w.rows = g.S == 1 || (g.S < kRowsMaxPlane && g.C * g.S <= kRowsMaxPeriod);
+  return w;
+}
+
+// f(S{}, std::integral_constant<Act, A>{}, std::bool_constant<residual>{}):
+// the kernel's template arguments, dispatched once per call.
+template <class Fn>
+void dispatch(const KernelArgs& a, const Fn& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x.scalar_type(), "inplace_abn_cpu", [&] {
+    dispatch_act(a.act, [&](auto act) {
+      if (a.residual.defined())
+        f(scalar_t{}, act, std::true_type{});
+      else
+        f(scalar_t{}, act, std::false_type{});
+    });
+  });
+}
+
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace inplace_abn

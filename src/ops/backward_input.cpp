@@ -1,0 +1,38 @@
+// inplace_abn::backward_input: dx = g~ r (gz - mean_gz - xhat mean_gz_xhat),
+// and gz (the residual's gradient) when asked. Kernels:
+// src/cpu/backward_input_kernel.cpp, src/cuda/backward_input_kernel.cu.
+#include "ops/common.h"
+#include "ops/ops.h"
+
+namespace inplace_abn {
+
+KernelStub backward_input_stub;
+
+std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
+                                                  const at::Tensor& var, const OptTensor& weight,
+                                                  const OptTensor& bias, const OptTensor& residual,
+                                                  const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat,
+                                                  double eps, int64_t activation, double activation_param,
+                                                  bool signed_weight, bool residual_grad) {
+  const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
+  check_channel_vector(var, y, "var");
+  check_channel_vector(mean_gz, y, "mean_gz");
+  check_channel_vector(mean_gz_xhat, y, "mean_gz_xhat");
+  const Geometry g = y.numel() > 0 ? geometry_of(y, "y") : Geometry{};  // the layout check before allocating
+  // y's dtype and memory format (a dense tensor keeps its strides)
+  at::Tensor dx = at::empty_like(y, at::MemoryFormat::Preserve);
+  at::Tensor dres = residual_grad ? at::empty_like(y, at::MemoryFormat::Preserve) : at::empty({0}, y.options());
+  if (y.numel() == 0) return {dx, dres};
+  c10::OptionalDeviceGuard guard(y.device());
+  const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
+  // a = g~ r, b = -r mean_gz_xhat, c0 = -g~ r mean_gz
+  const at::Tensor r = inv_std(var, y, eps), a_gz = gain(weight, y, eps, signed_weight) * r;
+  backward_input_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask,
+                       .coef = coef_table({f64(bias, y, 0.0), a_gz, -r * f64(mean_gz_xhat, y, 0.0),
+                                           -a_gz * f64(mean_gz, y, 0.0)}, y),
+                       .out1 = dx, .out2 = residual_grad ? dres : at::Tensor(), .g = g, .act = act,
+                       .param = activation_param});
+  return {dx, dres};
+}
+
+}  // namespace inplace_abn

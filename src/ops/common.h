@@ -1,0 +1,141 @@
+// Helpers of the device-agnostic front ends (src/ops/<op>.cpp): argument
+// checks, the memory layout, and the per-channel coefficient tables, computed
+// as tensors on the input's device (float64, then the accumulation dtype).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
+
+#include <initializer_list>
+#include <optional>
+
+#include "ops/kernel.h"
+
+namespace inplace_abn {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// Accumulation / statistics dtype: float32 for float, half and bfloat16 inputs,
+// float64 for double (DESIGN.md section 4).
+inline at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline Act to_act(int64_t a) {
+  TORCH_CHECK(a >= 0 && a <= 3, "inplace_abn: unknown activation code ", a);
+  return static_cast<Act>(a);
+}
+
+// Number of 32-bit words of the packed SiLU branch mask for `numel` elements.
+inline int64_t mask_words(int64_t numel) { return (numel + 31) / 32; }
+
+// The data tensor of every operator: at least 2 dims, a float dtype the kernels compile for.
+inline void check_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() >= 2, "inplace_abn: ", name, " must have at least 2 dimensions (N, C, ...), got ", x.dim());
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, "inplace_abn: ", name,
+              " must be float32, float64, float16 or bfloat16, got ", t);
+}
+
+// A per-channel vector of length C, of a float dtype, on x's device.
+inline void check_channel_vector(const OptTensor& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(1), "inplace_abn: ", name, " must have shape (", x.size(1),
+              ",), got ", t->sizes());
+  TORCH_CHECK(t->device() == x.device(), "inplace_abn: ", name, " is on ", t->device(), " but the input is on ",
+              x.device());
+  TORCH_CHECK(at::isFloatingType(t->scalar_type()), "inplace_abn: ", name, " must be a floating point tensor, got ",
+              t->scalar_type());
+}
+
+// A tensor of x's shape, of a float dtype, on x's device.
+inline void check_like(const OptTensor& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->sizes() == x.sizes(), "inplace_abn: ", name, " must have the input's shape ", x.sizes(), ", got ",
+              t->sizes());
+  TORCH_CHECK(t->device() == x.device(), "inplace_abn: ", name, " is on ", t->device(), " but the input is on ",
+              x.device());
+  TORCH_CHECK(at::isFloatingType(t->scalar_type()), "inplace_abn: ", name, " must be a floating point tensor, got ",
+              t->scalar_type());
+}
+
+// Checks of backward_reduce and backward_input; returns the activation.
+inline Act check_backward_args(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
+                               const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
+                               int64_t activation, double param) {
+  check_input(y, "y");
+  const Act act = to_act(activation);
+  // the backward inverts the activation: leaky_relu and elu need a parameter > 0
+  if (act == Act::LeakyRelu)
+    TORCH_CHECK(param > 0, "inplace_abn: leaky_relu needs a slope > 0 to be inverted in backward, got ", param);
+  if (act == Act::Elu) TORCH_CHECK(param > 0, "inplace_abn: elu needs alpha > 0 to be inverted in backward, got ", param);
+  check_like(dy, y, "dy");
+  check_channel_vector(weight, y, "weight");
+  check_channel_vector(bias, y, "bias");
+  check_like(residual, y, "residual");
+  if (act == Act::Silu) {  // the packed branch mask written by forward_ (DESIGN.md section 3)
+    TORCH_CHECK(mask.device() == y.device(), "inplace_abn: mask is on ", mask.device(), " but the input is on ",
+                y.device());
+    TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 1 && mask.is_contiguous(),
+                "inplace_abn: mask must be a contiguous 1-D int32 tensor, got ", mask.scalar_type(), " ", mask.sizes());
+    TORCH_CHECK(mask.numel() >= mask_words(y.numel()), "inplace_abn: mask has ", mask.numel(), " words, need ",
+                mask_words(y.numel()), " for ", y.numel(), " elements");
+  }
+  return act;
+}
+
+// The kernels read contiguous or channels-last memory without copies;
+// anything else must be made contiguous by the caller.
+inline bool is_channels_last(const at::Tensor& x) {
+  return !x.is_contiguous() && ((x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+                                (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)));
+}
+
+inline Geometry geometry_of(const at::Tensor& x, const char* name) {
+  const bool cl = is_channels_last(x);
+  TORCH_CHECK(cl || x.is_contiguous(), "inplace_abn: ", name, " must be contiguous or channels-last (got sizes ",
+              x.sizes(), ", strides ", x.strides(), "); make it contiguous first");
+  const int64_t N = x.size(0), C = x.size(1), numel = x.numel();
+  return Geometry{N, C, N * C > 0 ? numel / (N * C) : 0, numel, cl};
+}
+
+// `t` with ref's dtype and memory order: t itself when it has them, else a
+// copy (a gradient may arrive in another layout, a residual in another dtype).
+inline at::Tensor like(const at::Tensor& t, const at::Tensor& ref) {
+  const bool same_order =
+      is_channels_last(ref)
+          ? t.is_contiguous(ref.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d)
+          : t.is_contiguous();
+  if (t.scalar_type() == ref.scalar_type() && same_order) return t;
+  return at::empty_like(ref, at::MemoryFormat::Preserve).copy_(t);
+}
+inline at::Tensor like(const OptTensor& t, const at::Tensor& ref) { return t.has_value() ? like(*t, ref) : at::Tensor(); }
+
+// Per-channel vectors in float64 on x's device (`fill` where absent).
+inline at::Tensor f64(const OptTensor& t, const at::Tensor& x, double fill) {
+  return t.has_value() ? t->to(at::kDouble) : at::full({x.size(1)}, fill, x.options().dtype(at::kDouble));
+}
+
+// g~ = |gamma| + eps (abs mode) or sign(gamma) (|gamma| + eps) (signed mode,
+// sign(0) = +1); 1 without a weight (a non-affine layer normalises to xhat).
+inline at::Tensor gain(const OptTensor& weight, const at::Tensor& x, double eps, bool signed_weight) {
+  if (!weight.has_value()) return f64(weight, x, 1.0);
+  const at::Tensor w = f64(weight, x, 1.0);
+  const at::Tensor g = w.abs().add_(eps);
+  return signed_weight ? at::where(w < 0, -g, g) : g;
+}
+
+// 1 / sqrt(var + eps) (f64 may return var itself: no in-place op on it)
+inline at::Tensor inv_std(const at::Tensor& var, const at::Tensor& x, double eps) {
+  return (f64(var, x, 0.0) + eps).rsqrt_();
+}
+
+// The (rows, C) table of float64 rows, in the accumulation dtype of x.
+inline at::Tensor coef_table(std::initializer_list<at::Tensor> rows, const at::Tensor& x) {
+  return at::stack(rows).to(acc_type_of(x.scalar_type()));
+}
+
+// Front ends compute their tables under this guard: internal tensors, no
+// autograd or version-counter bookkeeping (1.5 us less per operator call).
+using TableGuard = c10::InferenceMode;
+
+}  // namespace inplace_abn
