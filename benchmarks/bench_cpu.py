@@ -3,7 +3,7 @@
 For each case it times, median over repeats (the four take turns):
   ours  : InPlaceABN forward + input/weight/bias gradients
   stock : nn.BatchNorm2d + activation (eager) forward + the same gradients
-  floor : 4 x.clone() calls (8 passes over memory, DESIGN.md section 6)
+  floor : 4 x.clone() calls (8 passes over memory, docs/DESIGN.md section 6)
 The in-place layer needs a fresh non-leaf input each step; that clone is
 timed separately and subtracted.
 

@@ -117,7 +117,7 @@ def _output_grad(dy, y, invertible):
 
 
 def _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b):
-    """dweight = S_gx dg~/dweight, dbias = S_g (per channel; DESIGN.md section 2)."""
+    """dweight = S_gx dg~/dweight, dbias = S_g (per channel; docs/DESIGN.md section 2)."""
     dweight = dbias = None
     if weight is not None and need_w:
         w = weight.to(sum_gzx.dtype)

@@ -1,5 +1,5 @@
 // Element-wise activation math of In-Place ABN: forward f(z), inverse f^-1(y)
-// and derivative f'(z) recovered from the output (DESIGN.md section 3).
+// and derivative f'(z) recovered from the output (docs/DESIGN.md section 3).
 //
 // This is the single source of truth for these formulas. It is written once,
 // generic over a "math" policy M that supplies the arithmetic on a value type
@@ -171,7 +171,7 @@ struct Activation<Act::Elu, M> {
 // f'(z - dz) = f'(z) - f''(z) dz (error ~ dz^2, below the rounding error once
 // the iteration has converged).
 // Near z* the inverse is ill-conditioned (error ~ sqrt(2 delta / curv)) but
-// f'(z) ~ 0 damps the gradient there (DESIGN.md section 3).
+// f'(z) ~ 0 damps the gradient there (docs/DESIGN.md section 3).
 template <class M>
 struct Activation<Act::Silu, M> {
   using T = typename M::T;

@@ -14,7 +14,7 @@ pytestmark = [
 
 ACTIVATIONS = ["identity", "leaky_relu", "elu", "silu"]
 PARAM = {"identity": 0.0, "leaky_relu": 0.1, "elu": 0.8, "silu": 0.0}
-# float32 reductions on the GPU accumulate in float (DESIGN.md section 4): float-level bounds.
+# float32 reductions on the GPU accumulate in float (docs/DESIGN.md section 6): float-level bounds.
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 

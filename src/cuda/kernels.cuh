@@ -1,4 +1,4 @@
-// CUDA kernels of In-Place ABN (DESIGN.md sections 1-3, 6).
+// CUDA kernels of In-Place ABN (docs/DESIGN.md sections 1-3, 6).
 //
 // Device code; the launches are in src/cuda/<op>_kernel.cu.
 //

@@ -17,7 +17,7 @@ namespace inplace_abn {
 using OptTensor = std::optional<at::Tensor>;
 
 // Accumulation / statistics dtype: float32 for float, half and bfloat16 inputs,
-// float64 for double (DESIGN.md section 4).
+// float64 for double (docs/DESIGN.md section 1).
 inline at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 inline Act to_act(int64_t a) {
@@ -72,7 +72,7 @@ inline Act check_backward_args(const at::Tensor& y, const at::Tensor& dy, const 
   check_channel_vector(weight, y, "weight");
   check_channel_vector(bias, y, "bias");
   check_like(residual, y, "residual");
-  if (act == Act::Silu) {  // the packed branch mask written by forward_ (DESIGN.md section 3)
+  if (act == Act::Silu) {  // the packed branch mask written by forward_ (docs/DESIGN.md section 3)
     TORCH_CHECK(mask.device() == y.device(), "inplace_abn: mask is on ", mask.device(), " but the input is on ",
                 y.device());
     TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 1 && mask.is_contiguous(),

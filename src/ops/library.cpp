@@ -1,6 +1,6 @@
 // The inplace_abn operator library: its schemas, declared once for every device, and the CPU registration of the front ends (the CUDA
 // build adds src/cuda/register.cpp). Fake kernels and autograd live in Python
-// (inplace_abn/_backend.py, inplace_abn/functions.py). DESIGN.md section 7.
+// (inplace_abn/_backend.py, inplace_abn/functions.py). docs/DESIGN.md section 7.
 #include <Python.h>
 #include <torch/library.h>
 
