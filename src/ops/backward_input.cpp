@@ -25,11 +25,13 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
   if (y.numel() == 0) return {dx, dres};
   c10::OptionalDeviceGuard guard(y.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
-  // a = g~ r, b = -r mean_gz_xhat, c0 = -g~ r mean_gz
-  const at::Tensor r = inv_std(var, y, eps), a_gz = gain(weight, y, eps, signed_weight) * r;
-  backward_input_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask,
-                       .coef = coef_table({f64(bias, y, 0.0), a_gz, -r * f64(mean_gz_xhat, y, 0.0),
-                                           -a_gz * f64(mean_gz, y, 0.0)}, y),
+  const at::Tensor coef = coef_table<5>(
+      y, {{{var, 0.0}, {weight, 1.0}, {bias, 0.0}, {mean_gz_xhat, 0.0}, {mean_gz, 0.0}}}, [&](const auto& v) {
+        // a = g~ r, b = -r mean_gz_xhat, c0 = -g~ r mean_gz
+        const auto r = inv_std(v[0], eps), a_gz = gain(v[1], weight.has_value(), eps, signed_weight) * r;
+        return std::array{v[2], a_gz, -r * v[3], -a_gz * v[4]};
+      });
+  backward_input_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask, .coef = coef,
                        .out1 = dx, .out2 = residual_grad ? dres : at::Tensor(), .g = g, .act = act,
                        .param = activation_param});
   return {dx, dres};

@@ -18,8 +18,10 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
   c10::OptionalDeviceGuard guard(y.device());
   const at::Tensor sum_gz = at::empty({y.size(1)}, opts), sum_gz_xhat = at::empty({y.size(1)}, opts);
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
-  backward_reduce_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask,
-                        .coef = coef_table({f64(bias, y, 0.0), gain(weight, y, eps, signed_weight)}, y),
+  const at::Tensor coef = coef_table<2>(y, {{{bias, 0.0}, {weight, 1.0}}}, [&](const auto& v) {
+    return std::array{v[0], gain(v[1], weight.has_value(), eps, signed_weight)};
+  });
+  backward_reduce_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask, .coef = coef,
                         .out1 = sum_gz, .out2 = sum_gz_xhat, .g = geometry_of(y, "y"), .act = act,
                         .param = activation_param});
   return {sum_gz, sum_gz_xhat};

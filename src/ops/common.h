@@ -1,13 +1,15 @@
 // Helpers of the device-agnostic front ends (src/ops/<op>.cpp): argument
-// checks, the memory layout, and the per-channel coefficient tables, computed
-// as tensors on the input's device (float64, then the accumulation dtype).
+// checks, the memory layout, and the per-channel coefficient tables (float64
+// formulas rounded into the accumulation dtype).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 
-#include <initializer_list>
+#include <array>
+#include <cmath>
 #include <optional>
 
 #include "ops/kernel.h"
@@ -110,28 +112,68 @@ inline at::Tensor like(const at::Tensor& t, const at::Tensor& ref) {
 }
 inline at::Tensor like(const OptTensor& t, const at::Tensor& ref) { return t.has_value() ? like(*t, ref) : at::Tensor(); }
 
-// Per-channel vectors in float64 on x's device (`fill` where absent).
-inline at::Tensor f64(const OptTensor& t, const at::Tensor& x, double fill) {
-  return t.has_value() ? t->to(at::kDouble) : at::full({x.size(1)}, fill, x.options().dtype(at::kDouble));
-}
+// The coefficient formulas are written once, for T = double (the CPU fills
+// the table in one loop instead of ~15 small ATen ops: forward_ at 16x512x7x7
+// 110 -> 99 us, the backward ops ~5 us less each) and T = float64 tensor (any
+// other device: no host sync). The scalar helpers below compute what ATen's
+// CPU kernels do, so both paths give the same bits.
+inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }  // at::rsqrt on CPU
+inline double where(bool c, double a, double b) { return c ? a : b; }
+// v rounded to the accumulation dtype (the mean's hi part), as float64
+inline double round_to(double v, at::ScalarType acc) { return acc == at::kFloat ? double(float(v)) : v; }
+inline at::Tensor round_to(const at::Tensor& v, at::ScalarType acc) { return v.to(acc).to(at::kDouble); }
 
 // g~ = |gamma| + eps (abs mode) or sign(gamma) (|gamma| + eps) (signed mode,
-// sign(0) = +1); 1 without a weight (a non-affine layer normalises to xhat).
-inline at::Tensor gain(const OptTensor& weight, const at::Tensor& x, double eps, bool signed_weight) {
-  if (!weight.has_value()) return f64(weight, x, 1.0);
-  const at::Tensor w = f64(weight, x, 1.0);
-  const at::Tensor g = w.abs().add_(eps);
-  return signed_weight ? at::where(w < 0, -g, g) : g;
+// sign(0) = +1); 1 (w itself) without a weight (a non-affine layer normalises to xhat).
+template <class T>
+T gain(const T& w, bool has_weight, double eps, bool signed_weight) {
+  using std::abs;
+  if (!has_weight) return w;
+  const T g = abs(w) + eps;
+  return signed_weight ? where(w < 0, -g, g) : g;
 }
 
-// 1 / sqrt(var + eps) (f64 may return var itself: no in-place op on it)
-inline at::Tensor inv_std(const at::Tensor& var, const at::Tensor& x, double eps) {
-  return (f64(var, x, 0.0) + eps).rsqrt_();
-}
+template <class T>
+T inv_std(const T& var, double eps) { return rsqrt(var + eps); }
 
-// The (rows, C) table of float64 rows, in the accumulation dtype of x.
-inline at::Tensor coef_table(std::initializer_list<at::Tensor> rows, const at::Tensor& x) {
-  return at::stack(rows).to(acc_type_of(x.scalar_type()));
+// A per-channel input of a table: its float64 values, `fill` where absent.
+struct ChannelInput {
+  const OptTensor& t;
+  double fill;
+};
+
+// The (rows, C) table in the accumulation dtype of x: rows(v) maps the K
+// inputs v[k] (doubles or float64 tensors) to the rows' std::array.
+template <size_t K, class F>
+at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in, F rows) {
+  const auto acc = acc_type_of(x.scalar_type());
+  const int64_t C = x.size(1);
+  if (!x.is_cpu()) {
+    std::array<at::Tensor, K> v;
+    for (size_t k = 0; k < K; ++k)
+      v[k] = in[k].t.has_value() ? in[k].t->to(at::kDouble) : at::full({C}, in[k].fill, x.options().dtype(at::kDouble));
+    const auto r = rows(v);
+    return at::stack(r).to(acc);
+  }
+  std::array<at::Tensor, K> v;  // contiguous float64 (the inputs themselves when they are)
+  std::array<const double*, K> p{};
+  for (size_t k = 0; k < K; ++k)
+    if (in[k].t.has_value()) {
+      v[k] = in[k].t->to(at::kDouble).contiguous();
+      p[k] = v[k].template const_data_ptr<double>();
+    }
+  constexpr size_t R = std::tuple_size_v<decltype(rows(std::array<double, K>{}))>;
+  at::Tensor table = at::empty({int64_t(R), C}, x.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "coef_table", [&] {
+    scalar_t* out = table.template data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) {
+      std::array<double, K> vc;
+      for (size_t k = 0; k < K; ++k) vc[k] = p[k] ? p[k][c] : in[k].fill;
+      const auto r = rows(vc);
+      for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(r[i]);
+    }
+  });
+  return table;
 }
 
 // Front ends compute their tables under this guard: internal tensors, no

@@ -22,11 +22,12 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
   if (x.numel() == 0) return mask;
   c10::OptionalDeviceGuard guard(x.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
-  const at::Tensor mu = f64(mean, x, 0.0);
-  const at::Tensor hi = mu.to(acc_type_of(x.scalar_type())).to(at::kDouble);  // the mean as hi + lo
-  forward_stub({.x = x, .residual = like(residual, x), .mask = mask,
-                .coef = coef_table({hi, mu - hi, gain(weight, x, eps, signed_weight) * inv_std(var, x, eps),
-                                    f64(bias, x, 0.0)}, x),
+  const auto acc = acc_type_of(x.scalar_type());
+  const at::Tensor coef = coef_table<4>(x, {{{mean, 0.0}, {var, 0.0}, {weight, 1.0}, {bias, 0.0}}}, [&](const auto& v) {
+    const auto hi = round_to(v[0], acc);  // the mean as hi + lo
+    return std::array{hi, v[0] - hi, gain(v[2], weight.has_value(), eps, signed_weight) * inv_std(v[1], eps), v[3]};
+  });
+  forward_stub({.x = x, .residual = like(residual, x), .mask = mask, .coef = coef,
                 .g = geometry_of(x, "x"), .act = act, .param = activation_param});
   return mask;
 }
