@@ -55,7 +55,6 @@ import copy
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -72,6 +71,7 @@ for _p in (_ROOT, _HERE, os.path.join(_ROOT, "examples")):
         sys.path.insert(0, _p)
 
 import inplace_abn  # noqa: E402
+from accuracy_table import cpu_name  # noqa: E402
 from bench_cpu import keep_freed_memory  # noqa: E402
 from inplace_abn.memory import model_saved_bytes  # noqa: E402
 from synthetic_scenes import SyntheticScenes  # noqa: E402
@@ -222,17 +222,6 @@ def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, pro
 
 
 # ---- report --------------------------------------------------------------------------------------
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def header(args, allocator: str) -> str:
