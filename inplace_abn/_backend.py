@@ -9,6 +9,7 @@ import contextlib
 import contextvars
 import os
 import warnings
+from typing import Optional
 
 import torch
 
@@ -64,24 +65,16 @@ def _initial_choice() -> str:
 
 
 _default = _initial_choice()
-# Unset in a thread that did not call use_backend: such a thread gets the default, or, in
-# autograd's device threads, the value of the thread that started the backward.
+# Unset in a thread that did not call use_backend: such a thread gets the default. The
+# backward does not read it: it reuses the choice its forward made (autograd may run the
+# backward in another thread).
 _choice = contextvars.ContextVar("inplace_abn_backend")
 _warned_devices = set()
 
 
 def current() -> str:
     """The configured backend in this thread: ``auto``, ``native`` or ``python``."""
-    name = _choice.get(None)
-    if name is None:
-        # torch.autograd.backward stashes the caller's context for its device threads (a compiled
-        # backward runs in that context already)
-        if not torch.compiler.is_compiling() and torch._C._is_key_in_tls("context"):
-            stashed = torch._C._get_obj_in_tls("context")
-            name = None if stashed is None else stashed.get(_choice)
-        if name is None:
-            name = _default
-    return name
+    return _choice.get(_default)
 
 
 @contextlib.contextmanager
@@ -98,9 +91,9 @@ def use_backend(name: str):
         _choice.reset(token)
 
 
-def ops_for(x: torch.Tensor):
-    """The operator set that runs on ``x``'s device under the current choice."""
-    choice = current()
+def ops_for(x: torch.Tensor, choice: Optional[str] = None):
+    """The operator set that runs on ``x``'s device under ``choice`` (default: `current`)."""
+    choice = current() if choice is None else choice
     if choice == "python" or not HAS_NATIVE:
         return _pure
     if _has_device_kernel(x.device.type):

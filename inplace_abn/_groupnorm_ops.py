@@ -28,6 +28,8 @@ a backend key takes precedence over the composite one for that device, and
 nothing in Python changes. If the native library declares the schemas itself
 (``TORCH_LIBRARY_FRAGMENT``), the declarations here are skipped.
 """
+from typing import Optional
+
 import torch
 
 from . import _activation as A
@@ -176,8 +178,9 @@ _PURE_OPS = _Ops(PURE)
 _DISPATCHED_OPS = _Ops({name: getattr(torch.ops.inplace_abn, name) for name in OP_NAMES})
 
 
-def ops_for(x: torch.Tensor):
-    """The pure functions under ``use_backend("python")``, else the dispatched
-    operators (a device's native kernel where one is registered, else the
-    composite pure kernel)."""
-    return _PURE_OPS if _backend.current() == "python" else _DISPATCHED_OPS
+def ops_for(x: torch.Tensor, choice: Optional[str] = None):
+    """The pure functions under ``use_backend("python")`` (or ``choice``), else the
+    dispatched operators (a device's native kernel where one is registered, else
+    the composite pure kernel)."""
+    choice = _backend.current() if choice is None else choice
+    return _PURE_OPS if choice == "python" else _DISPATCHED_OPS

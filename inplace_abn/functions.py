@@ -189,7 +189,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
                 activation, activation_param, signed, group):
-        ops = _backend.ops_for(x)
+        backend = _backend.current()  # the backward uses the same, in whatever thread it runs
+        ops = _backend.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
         work, residual = _prepare(x, residual)
         C = x.shape[1]
@@ -208,7 +209,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
             t, mean, var, weight, bias, r, eps, act, activation_param, signed))
 
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
-        ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype)
+        ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype, backend)
         ctx.mark_dirty(x)
         return x
 
@@ -221,8 +222,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def _backward(ctx, dy):
         y, var, weight, bias, residual, mask = ctx.saved_tensors
-        training, eps, act, p, signed, group, count, invertible, dtype = ctx.config
-        ops = _backend.ops_for(y)
+        training, eps, act, p, signed, group, count, invertible, dtype, backend = ctx.config
+        ops = _backend.ops_for(y, backend)
         dy = _output_grad(dy, y, invertible)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[5]

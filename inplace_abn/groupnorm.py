@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _activation, _groupnorm_ops
+from . import _activation, _backend, _groupnorm_ops
 from .functions import (WEIGHT_MODES, _activation_code, _check_common, _output_grad, _param_grads, _prepare,
                         _refuse_double_backward, _run, _write)
 
@@ -26,14 +26,15 @@ class _InPlaceAGNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, groups, eps, activation, activation_param, signed):
-        ops = _groupnorm_ops.ops_for(x)
+        backend = _backend.current()  # the backward uses the same, in whatever thread it runs
+        ops = _groupnorm_ops.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
         work, residual = _prepare(x, residual)
         mean, var = ops.gn_stats(work, groups)
         saved_y, mask = _write(x, work, residual, invertible, lambda t, r: ops.gn_forward_(
             t, mean, var, weight, bias, r, eps, act, activation_param, signed))
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
-        ctx.config = (eps, act, activation_param, signed, invertible, x.dtype)
+        ctx.config = (eps, act, activation_param, signed, invertible, x.dtype, backend)
         ctx.mark_dirty(x)
         return x
 
@@ -46,8 +47,8 @@ class _InPlaceAGNFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def _backward(ctx, dy):
         y, var, weight, bias, residual, mask = ctx.saved_tensors
-        eps, act, p, signed, invertible, dtype = ctx.config
-        ops = _groupnorm_ops.ops_for(y)
+        eps, act, p, signed, invertible, dtype, backend = ctx.config
+        ops = _groupnorm_ops.ops_for(y, backend)
         dy = _output_grad(dy, y, invertible)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[3]

@@ -85,3 +85,22 @@ def test_choice_holds_through_backward_and_other_threads_keep_the_default():
     yr = stock(xr, layer.weight, layer.bias, None, None, True, activation="elu", activation_param=0.5)
     assert rel_err(y, yr) < 1e-12
     assert rel_err(dx, torch.autograd.grad(yr, xr, dy)[0]) < 1e-12
+
+
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="needs the native extension to differ from the pure one")
+def test_backward_uses_the_backend_of_its_forward(monkeypatch):
+    """A forward run under use_backend("python") runs its backward on the pure operators
+    too, even when the backward starts outside the block (or in another thread)."""
+    calls = []
+    real = _pure.backward_reduce
+    monkeypatch.setattr(_pure, "backward_reduce", lambda *a: calls.append(1) or real(*a))
+    layer = inplace_abn.InPlaceABN(4, activation="leaky_relu", activation_param=0.1).double()
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    with inplace_abn.use_backend("python"):
+        y = layer(x.clone())
+    y.sum().backward()
+    assert calls == [1]
+    calls.clear()
+    y = layer(x.clone())  # default (native) forward: native backward
+    y.sum().backward()
+    assert calls == []
