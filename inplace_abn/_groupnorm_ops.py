@@ -122,6 +122,134 @@ def gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_g
 PURE = {name: globals()[name] for name in OP_NAMES}
 
 
+# ---- native: the BatchNorm kernels on GroupNorm views (docs/DESIGN.md section 10) ----
+#
+# GroupNorm's statistics are BatchNorm statistics of a view: a contiguous
+# (N, C, *) tensor seen as (1, N*G, (C/G)*S) has one "channel" per (n, group),
+# and seen as (1, N*C, S) one "channel" per (n, c), whose coefficients are the
+# per-sample ones of GroupNorm. So the four vectorised, parallel and
+# deterministic BatchNorm kernels of src/ (CPU and CUDA) do all the element
+# work, and only (N, C)-sized vectors are built here. A channels-last tensor
+# has no such view (n and c are not adjacent in memory): its samples run one
+# at a time, each a (1, C, ...) channels-last BatchNorm input.
+
+_BN = torch.ops.inplace_abn
+
+
+def _channels_last(x):
+    return x.dim() in (4, 5) and not x.is_contiguous() and x.is_contiguous(
+        memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+def _native_ok(x, act):
+    """Whether the BatchNorm kernels serve this call. A channels-last SiLU mask
+    concatenates per-sample masks, which is the memory-order mask of the whole
+    tensor only when every sample fills whole 32-bit words; other shapes take
+    the pure kernels (forward and backward decide alike: y has x's layout)."""
+    if not _channels_last(x) or act != A.SILU:
+        return True
+    return (x.numel() // max(x.shape[0], 1)) % 32 == 0
+
+
+def _nc(v, C):
+    """(N, G) per-group values -> (N*C,) per (n, c)."""
+    N, G = v.shape
+    return v.repeat_interleave(C // G, dim=1).reshape(N * C)
+
+
+def _tile(t, N):
+    return None if t is None else t.repeat(N)
+
+
+def _flat(t, N, C):
+    """A contiguous (N, C, *) tensor as (1, N*C, S)."""
+    return None if t is None else t.view(1, N * C, -1)
+
+
+def _samples(t, n):
+    return None if t is None else t[n:n + 1]
+
+
+def native_gn_stats(x, groups):
+    N, C = x.shape[:2]
+    if x.numel() == 0 or not _channels_last(x):
+        if x.numel() == 0:
+            return gn_stats(x, groups)
+        mean, var = _BN.batch_stats(x.view(1, N * groups, -1))
+        return mean.view(N, groups), var.view(N, groups)
+    # a sample in channels-last memory is (S, G, C/G) contiguous: groups are "channels"
+    per = [_BN.batch_stats(x[n].movedim(0, -1).reshape(-1, groups, C // groups)) for n in range(N)]
+    return torch.stack([m for m, _ in per]), torch.stack([v for _, v in per])
+
+
+def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
+    if not _native_ok(x, act):
+        return gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed)
+    N, C = x.shape[:2]
+    if x.numel() == 0:
+        return x.new_empty(0, dtype=torch.int32)
+    if not _channels_last(x):
+        return _BN.forward_(_flat(x, N, C), _nc(mean, C), _nc(var, C), _tile(weight, N), _tile(bias, N),
+                            _flat(residual, N, C), eps, act, p, signed)
+    masks = [_BN.forward_(x[n:n + 1], _nc(mean[n:n + 1], C), _nc(var[n:n + 1], C), weight, bias,
+                          _samples(residual, n), eps, act, p, signed) for n in range(N)]
+    return torch.cat(masks)
+
+
+def _mask_of(mask, n, N):
+    if mask.numel() == 0:
+        return mask
+    w = mask.numel() // N
+    return mask[n * w:(n + 1) * w]
+
+
+def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed):
+    if not _native_ok(y, act):
+        return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+    N, C = y.shape[:2]
+    if y.numel() == 0:
+        return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+    if not _channels_last(y):
+        s, sx = _BN.backward_reduce(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, _tile(weight, N),
+                                    _tile(bias, N), _flat(residual, N, C), eps, act, p, signed)
+        return s.view(N, C), sx.view(N, C)
+    per = [_BN.backward_reduce(y[n:n + 1], dy[n:n + 1], _mask_of(mask, n, N), weight, bias, _samples(residual, n),
+                               eps, act, p, signed) for n in range(N)]
+    return torch.stack([s for s, _ in per]), torch.stack([sx for _, sx in per])
+
+
+def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                             residual_grad):
+    if not _native_ok(y, act) or y.numel() == 0:
+        return gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                                 residual_grad)
+    N, C = y.shape[:2]
+    acc = A.acc_dtype(y.dtype)
+    # The BatchNorm kernel computes g~ r (gz - m_gz - xhat m_gzx); GroupNorm's
+    # r (g~ gz - m_ggz - xhat m_ggzx) is that with the group means divided by g~.
+    if weight is None:
+        inv_g = torch.ones(C, dtype=acc, device=y.device)
+    else:
+        inv_g = 1 / A.effective_weight(weight.detach().to(acc), eps, signed)
+    m_gz = (_nc(mean_ggz.to(acc), C).view(N, C) * inv_g)
+    m_gzx = (_nc(mean_ggzx.to(acc), C).view(N, C) * inv_g)
+    v = _nc(var, C).view(N, C)
+    if not _channels_last(y):
+        dx, dr = _BN.backward_input(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, v.view(-1),
+                                    _tile(weight, N), _tile(bias, N), _flat(residual, N, C), m_gz.view(-1),
+                                    m_gzx.view(-1), eps, act, p, signed, residual_grad)
+        return dx.view(y.shape), (dr.view(y.shape) if residual_grad else dr)
+    dx = torch.empty_like(y)
+    dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
+    for n in range(N):
+        dxn, drn = _BN.backward_input(y[n:n + 1], dy[n:n + 1], _mask_of(mask, n, N), v[n], weight, bias,
+                                      _samples(residual, n), m_gz[n], m_gzx[n], eps, act, p, signed, residual_grad)
+        dx[n:n + 1] = dxn
+        if residual_grad:
+            dr[n:n + 1] = drn
+    return dx, dr
+
+
 # ---- registration --------------------------------------------------------------
 
 _lib = torch.library.Library("inplace_abn", "FRAGMENT")
@@ -135,11 +263,18 @@ def _declared(name):
     return True
 
 
+NATIVE = {name: globals()["native_" + name] for name in OP_NAMES}
+
+
 def _register():
+    native_keys = [key for key in ("CPU", "CUDA")
+                   if torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::forward_", key)]
     for name in OP_NAMES:
         if not _declared(name):
             _lib.define(SCHEMAS[name])
         _lib.impl(name, PURE[name], "CompositeExplicitAutograd")
+        for key in native_keys:  # where the BatchNorm kernels exist (src/ built)
+            _lib.impl(name, NATIVE[name], key)
 
     def acc(t):
         return A.acc_dtype(t.dtype)
