@@ -278,18 +278,19 @@ def test_strided_input_is_written_back(backend):
 def test_opcheck_groupnorm_operators(act, fmt, residual):
     ops = torch.ops.inplace_abn
     g = torch.Generator().manual_seed(act)
-    x = torch.randn(3, 6, 4, 5, generator=g).contiguous(memory_format=fmt)
-    w, b = torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g)
-    r = torch.randn(3, 6, 4, 5, generator=g).contiguous(memory_format=fmt) if residual else None
+    # S C = 160: whole mask words per sample, so channels-last SiLU takes the native per-sample path
+    x = torch.randn(3, 8, 4, 5, generator=g).contiguous(memory_format=fmt)
+    w, b = torch.rand(8, generator=g) + 0.5, torch.randn(8, generator=g)
+    r = torch.randn(3, 8, 4, 5, generator=g).contiguous(memory_format=fmt) if residual else None
     p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 1.0}.get(act, 0.0)
-    torch.library.opcheck(ops.gn_stats.default, (x, 3))
-    mean, var = ops.gn_stats(x, 3)
+    torch.library.opcheck(ops.gn_stats.default, (x, 4))
+    mean, var = ops.gn_stats(x, 4)
     torch.library.opcheck(ops.gn_forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, True))
     y = x.clone()
     mask = ops.gn_forward_(y, mean, var, w, b, r, 1e-5, act, p, False)
     dy = torch.randn_like(y)
     torch.library.opcheck(ops.gn_backward_reduce.default, (y, dy, mask, w, b, r, 1e-5, act, p, False))
-    mg, mgx = torch.randn(3, 3, generator=g), torch.randn(3, 3, generator=g)
+    mg, mgx = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
     torch.library.opcheck(ops.gn_backward_input.default,
                           (y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual))
     torch.library.opcheck(ops.gn_forward_.default,
@@ -397,3 +398,39 @@ def test_saved_bytes_groupnorm_silu_conv_blocks():
     assert o - input_bytes == pytest.approx((t + mask) * blocks, abs=small)
     # two tensors per block fewer (the conv input is saved by both)
     assert (s - o) / (t * blocks) == pytest.approx(2 - 1 / 32, abs=0.01)
+
+
+# ---- native kernels: thread count ----------------------------------------------------
+
+
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")
+@pytest.mark.parametrize("shape,groups,fmt", [
+    ((4, 64, 24, 24), 32, torch.contiguous_format),  # one (1, N*C, S) view per operator
+    ((3, 64, 12, 20), 8, torch.channels_last),       # sample by sample
+    ((512, 96), 12, torch.contiguous_format),         # (N, C): S = 1
+])
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu"])
+def test_native_result_independent_of_thread_count(shape, groups, fmt, activation):
+    """The BatchNorm kernels split GroupNorm's views by shape, not by thread:
+    1, 2 and 3 threads agree bitwise (forward, input, weight, bias and residual
+    gradients)."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
+    r0 = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
+    dy = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
+    outs = []
+    threads_before = torch.get_num_threads()
+    try:
+        with inplace_abn.use_backend("native"):
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                layer = InPlaceAGN(groups, shape[1], activation=activation)
+                xin, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+                y = layer(xin.clone(), residual=r)
+                y.backward(dy)
+                outs.append((y.detach(), xin.grad, layer.weight.grad, layer.bias.grad, r.grad))
+    finally:
+        torch.set_num_threads(threads_before)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
