@@ -5,7 +5,10 @@ backward_input} directly on prepared inputs, so the figures exclude Python,
 autograd and allocation of the layer's input; next to them, one clone of the
 input (2 passes over memory) as a yardstick. forward_ overwrites its input,
 so it is timed on a fresh copy (copy + forward, minus the copy). The 2-thread
-column is what shows whether the kernels really run in parallel.
+column is what shows whether the kernels really run in parallel. For SiLU,
+the last two columns time the path the layer takes on the CPU
+(docs/DESIGN.md section 7.2): backward_reduce keeping z, and
+backward_input_from_z_ (timed on a fresh copy of z, minus the copy).
 
     python benchmarks/bench_cpu_ops.py [--repeats 30]
 """
@@ -33,7 +36,8 @@ def _median_ms(fn, repeats, warmup=5):
 
 
 def measure(shape, channels_last, act, repeats):
-    """Milliseconds of (batch_stats, forward_, backward_reduce, backward_input, clone)."""
+    """Milliseconds of (batch_stats, forward_, backward_reduce, backward_input, clone, and for SiLU
+    backward_reduce keeping z and backward_input_from_z_, else None twice)."""
     ops = torch.ops.inplace_abn
     C, code, p = shape[1], _activation.CODES[act], 0.01
     g = torch.Generator().manual_seed(0)
@@ -49,6 +53,15 @@ def measure(shape, channels_last, act, repeats):
     sg, sgx = ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, code, p, False)
     work = x.clone()
     t_copy = _median_ms(lambda: work.copy_(x), repeats)
+    z_path = (None, None)
+    if act == "silu":
+        z, zwork = torch.empty_like(y), torch.empty_like(y)
+        ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, code, p, False, z)
+        z_path = (
+            _median_ms(lambda: ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, code, p, False, zwork), repeats),
+            _median_ms(lambda: ops.backward_input_from_z_(zwork.copy_(z), dy, var, w, b, None, sg, sgx, 1e-5, code, p,
+                                                          False, False), repeats) - t_copy,
+        )
     return (
         _median_ms(lambda: ops.batch_stats(x), repeats),
         _median_ms(lambda: ops.forward_(work.copy_(x), mean, var, w, b, None, 1e-5, code, p, False), repeats)
@@ -57,17 +70,18 @@ def measure(shape, channels_last, act, repeats):
         _median_ms(lambda: ops.backward_input(y, dy, mask, var, w, b, None, sg, sgx, 1e-5, code, p, False, False),
                    repeats),
         _median_ms(lambda: x.clone(), repeats),
-    )
+    ) + z_path
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, float32, median of {args.repeats}, milliseconds")
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, float32, "
+          f"median of {args.repeats}, milliseconds")
     print("| shape | activation | layout | threads | batch_stats | forward_ | backward_reduce | backward_input | "
-          "clone |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "clone | reduce keeping z | input from z |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, cl in SHAPES:
         for act in ("leaky_relu", "silu"):
             for threads in (1, 2):
@@ -75,7 +89,7 @@ def main():
                 t = measure(shape, cl, act, args.repeats)
                 layout = "channels_last" if cl else "contiguous"
                 print(f"| {'x'.join(map(str, shape))} | {act} | {layout} | {threads} | "
-                      + " | ".join(f"{v:.2f}" for v in t) + " |", flush=True)
+                      + " | ".join("-" if v is None else f"{v:.2f}" for v in t) + " |", flush=True)
 
 
 if __name__ == "__main__":

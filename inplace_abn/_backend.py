@@ -109,6 +109,13 @@ def ops_for(x: torch.Tensor, choice: Optional[str] = None):
     return _pure
 
 
+def keeps_z(ops, y: torch.Tensor, act: int) -> bool:
+    """Whether the backward keeps z = f^-1(y) between its two passes: SiLU with
+    the native CPU kernels, float32/float64 (docs/DESIGN.md section 7.2)."""
+    return ops is NATIVE and act == _activation.SILU and y.device.type == "cpu" and y.dtype in (
+        torch.float32, torch.float64)
+
+
 def _register_fakes():
     """Fake (meta) kernels: shapes and dtypes only, for torch.compile / export / opcheck."""
 
@@ -126,7 +133,7 @@ def _register_fakes():
         return x.new_empty(words, dtype=torch.int32)
 
     @torch.library.register_fake("inplace_abn::backward_reduce")
-    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight):
+    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None):
         C = y.shape[1]
         return y.new_empty(C, dtype=acc(y)), y.new_empty(C, dtype=acc(y))
 
@@ -136,6 +143,11 @@ def _register_fakes():
         dx = torch.empty_like(y)
         dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
         return dx, dr
+
+    @torch.library.register_fake("inplace_abn::backward_input_from_z_")
+    def _(z, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param, signed_weight,
+          residual_grad):
+        return torch.empty_like(z) if residual_grad else z.new_empty(0)
 
 
 if HAS_NATIVE:

@@ -228,7 +228,12 @@ class _InPlaceABNFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[5]
 
-        sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+        # SiLU on the CPU: the first pass keeps z, the second starts from it (docs/DESIGN.md section 7.2)
+        z = torch.empty_like(y) if need_x and _backend.keeps_z(ops, y, act) else None
+        if z is None:
+            sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+        else:
+            sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z)
         dx = dr = None
         if need_x or need_r:
             if training:
@@ -238,8 +243,12 @@ class _InPlaceABNFunction(torch.autograd.Function):
                 mean_gz, mean_gzx = g_gz / count, g_gzx / count
             else:
                 mean_gz, mean_gzx = torch.zeros_like(sum_gz), torch.zeros_like(sum_gzx)
-            dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, act, p,
-                                        signed, need_r)
+            if z is None:
+                dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, act,
+                                            p, signed, need_r)
+            else:
+                dx, dr = z, ops.backward_input_from_z_(z, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps,
+                                                       act, p, signed, need_r)
             dx = dx.to(dtype) if need_x else None
             dr = dr.to(dtype) if need_r else None
         elif training and group is not None:

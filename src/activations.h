@@ -244,6 +244,13 @@ struct Activation<Act::Silu, M> {
     return z;
   }
 
+  // f'(z) = s (1 + z (1 - s)) from z itself (z >= zmin, as the inverse returns)
+  static IABN_HD T deriv_of_z(T z) {
+    T e = M::exp(M::c(0.0) - z);
+    T s = M::rcp(M::c(1.0) + e);
+    return s * M::fma(z, e * s, M::c(1.0));
+  }
+
   // z = f^-1(y) on the branch `left` (0/1) and d = f'(z).
   static IABN_HD T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters) {
     const T one = M::c(1.0);

@@ -54,3 +54,46 @@ def test_opcheck_optional_affine_and_half():
     x, mean, var, _, _, _, _ = _args(_activation.SILU, torch.contiguous_format, False, dtype=torch.bfloat16)
     torch.library.opcheck(ops.batch_stats.default, (x,))
     torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, None, None, None, 1e-5, 3, 0.0, False))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_opcheck_silu_backward_from_z(dtype, fmt, residual):
+    """backward_reduce keeping z, and backward_input_from_z_ writing dx over it:
+    schemas (z_out and z mutated), fakes, and the same dx and dresidual as
+    backward_input to within the difference of f'(z) from z or from the
+    inversion's last Halley step (a few ulp)."""
+    ops, act = torch.ops.inplace_abn, _activation.SILU
+    x, mean, var, w, b, r, p = _args(act, fmt, residual, dtype=dtype)
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, True)
+    dy = torch.randn_like(y)
+    z = torch.empty_like(y)
+    torch.library.opcheck(ops.backward_reduce.default, (y, dy, mask, w, b, r, 1e-5, act, p, True, z))
+    s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, True, z)
+    for got, want in zip((s_g, s_gx), ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, True)):
+        assert torch.equal(got, want)  # keeping z changes nothing in the sums
+    n = x.numel() // x.shape[1]
+    args = (dy, var, w, b, r, (s_g / n).to(var.dtype), (s_gx / n).to(var.dtype), 1e-5, act, p, True, residual)
+    torch.library.opcheck(ops.backward_input_from_z_.default, (z.clone(),) + args)
+    dx_ref, dr_ref = ops.backward_input(y, dy, mask, var, w, b, r, *args[5:])
+    dr = ops.backward_input_from_z_(z, *args)
+    tol = 8 * torch.finfo(dtype).eps
+    torch.testing.assert_close(z, dx_ref, rtol=0, atol=tol * dx_ref.abs().max().item())
+    assert z.stride() == y.stride()
+    if residual:
+        torch.testing.assert_close(dr, dr_ref, rtol=0, atol=tol * dr_ref.abs().max().item())
+
+
+def test_z_path_refuses_what_it_cannot_do():
+    ops = torch.ops.inplace_abn
+    x, mean, var, w, b, _, _ = _args(_activation.SILU, torch.contiguous_format, False, dtype=torch.bfloat16)
+    mask = ops.forward_(x, mean, var, w, b, None, 1e-5, 3, 0.0, False)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        ops.backward_reduce(x, torch.randn_like(x), mask, w, b, None, 1e-5, 3, 0.0, False, torch.empty_like(x))
+    y = x.float()
+    with pytest.raises(RuntimeError, match="SiLU backward only"):
+        ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 1, 0.1, False, torch.empty_like(y))
+    with pytest.raises(RuntimeError, match="shape, strides and dtype"):
+        ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 3, 0.0, False, torch.empty(3))

@@ -7,7 +7,7 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename S, Act A, bool RES>
+template <typename S, Act A, bool RES, bool FROMZ>
 void backward_input_t(const KernelArgs& a) {
   using io = IO<S>;
   using F = typename io::F;
@@ -18,7 +18,7 @@ void backward_input_t(const KernelArgs& a) {
   const S* y = a.x.const_data_ptr<S>();
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
-  const int32_t* mask = A == Act::Silu ? a.mask.const_data_ptr<int32_t>() : nullptr;
+  const int32_t* mask = A == Act::Silu && !FROMZ ? a.mask.const_data_ptr<int32_t>() : nullptr;
   S* dx = a.out1.data_ptr<S>();
   S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
   const V p(static_cast<F>(a.param));
@@ -31,9 +31,14 @@ void backward_input_t(const KernelArgs& a) {
     for_each_vector(g, cr, e0, e1, [&](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
       constexpr bool FULL = decltype(full)::value;
       const V yv = io::template ld<FULL>(y_ + i, cnt), gv = io::template ld<FULL>(dy_ + i, cnt);
-      const V left = A == Act::Silu ? from_bits<F>(read_bits(mask_, i, cnt)) : V(F(0));
-      V d;
-      const V z = Ac::inverse_deriv(yv, left, p_, d);
+      V d, z;
+      if constexpr (FROMZ) {  // yv holds z (backward_input_from_z_)
+        z = yv;
+        d = Ac::deriv_of_z(z);
+      } else {
+        const V left = A == Act::Silu ? from_bits<F>(read_bits(mask_, i, cnt)) : V(F(0));
+        z = Ac::inverse_deriv(yv, left, p_, d);
+      }
       const V gz = gv * d;
       V zc = z - co.get(kInShift, j);
       if constexpr (RES) zc = zc - io::template ld<FULL>(res_ + i, cnt);
@@ -44,7 +49,14 @@ void backward_input_t(const KernelArgs& a) {
 }
 
 void backward_input_kernel(const KernelArgs& a) {
-  dispatch(a, [&](auto s, auto act, auto res) { backward_input_t<decltype(s), decltype(act)::value, decltype(res)::value>(a); });
+  dispatch(a, [&](auto s, auto act, auto res) {
+    using S = decltype(s);
+    constexpr Act A = decltype(act)::value;
+    if constexpr (A == Act::Silu && std::is_same_v<S, typename IO<S>::F>)
+      if (a.from_z) return backward_input_t<S, A, decltype(res)::value, true>(a);
+    TORCH_CHECK(!a.from_z, "inplace_abn: backward_input_from_z_ is for SiLU in float32/float64");
+    backward_input_t<S, A, decltype(res)::value, false>(a);
+  });
 }
 
 }  // namespace

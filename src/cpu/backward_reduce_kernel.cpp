@@ -7,7 +7,7 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename S, Act A, bool RES>
+template <typename S, Act A, bool RES, bool ZOUT>
 void backward_reduce_t(const KernelArgs& a) {
   using io = IO<S>;
   using F = typename io::F;
@@ -18,6 +18,8 @@ void backward_reduce_t(const KernelArgs& a) {
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   const int32_t* mask = MASK ? a.mask.const_data_ptr<int32_t>() : nullptr;
+  // z for backward_input_from_z_ (SiLU, S = F: the front end checks)
+  F* zout = ZOUT ? a.z.data_ptr<F>() : nullptr;
   const V p(static_cast<F>(a.param));
   const int64_t C = a.g.C;
   std::vector<double> s1(C), s2(C);
@@ -33,6 +35,7 @@ void backward_reduce_t(const KernelArgs& a) {
         const V left = MASK ? from_bits<F>(read_bits(mask, i, cnt)) : V(F(0));
         V d;
         const V z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d);
+        if constexpr (ZOUT) FULL ? z.store(zout + i) : z.store(zout + i, cnt);
         V gz = io::template ld<FULL>(dy + i, cnt) * d;
         V zc = z - co.get(0, j);
         if constexpr (RES) zc = zc - io::template ld<FULL>(res + i, cnt);
@@ -54,7 +57,13 @@ void backward_reduce_t(const KernelArgs& a) {
 }
 
 void backward_reduce_kernel(const KernelArgs& a) {
-  dispatch(a, [&](auto s, auto act, auto res) { backward_reduce_t<decltype(s), decltype(act)::value, decltype(res)::value>(a); });
+  dispatch(a, [&](auto s, auto act, auto res) {
+    using S = decltype(s);
+    constexpr Act A = decltype(act)::value;
+    if constexpr (A == Act::Silu && std::is_same_v<S, typename IO<S>::F>)
+      if (a.z.defined()) return backward_reduce_t<S, A, decltype(res)::value, true>(a);
+    backward_reduce_t<S, A, decltype(res)::value, false>(a);
+  });
 }
 
 }  // namespace

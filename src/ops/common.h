@@ -85,6 +85,17 @@ inline Act check_backward_args(const at::Tensor& y, const at::Tensor& dy, const 
   return act;
 }
 
+// The z buffer of the SiLU backward on the CPU (docs/DESIGN.md section 7.2):
+// y's shape, dtype (float32 or float64: z in the compute dtype) and layout.
+inline void check_z(const at::Tensor& z, const at::Tensor& y, Act act, const char* name) {
+  TORCH_CHECK(act == Act::Silu, "inplace_abn: ", name, " is for the SiLU backward only");
+  TORCH_CHECK(z.is_cpu() && y.is_cpu(), "inplace_abn: ", name, " is implemented on the CPU only, got ", z.device());
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble, "inplace_abn: ", name,
+              " needs a float32 or float64 y (z in y's dtype), got ", y.scalar_type());
+  TORCH_CHECK(z.sizes() == y.sizes() && z.strides() == y.strides() && z.scalar_type() == y.scalar_type(),
+              "inplace_abn: ", name, " must have y's shape, strides and dtype");
+}
+
 // The kernels read contiguous or channels-last memory without copies;
 // anything else must be made contiguous by the caller.
 inline bool is_channels_last(const at::Tensor& x) {

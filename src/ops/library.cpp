@@ -26,13 +26,24 @@ TORCH_LIBRARY(inplace_abn, m) {
   // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone.
   m.def(
       "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight) -> (Tensor sum_gz, Tensor sum_gz_xhat)");
+      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) "
+      "-> (Tensor sum_gz, Tensor sum_gz_xhat)");
   // dx = g~ r (gz - mean_gz - xhat * mean_gz_xhat); with residual_grad also
   // returns gz (the residual's gradient), else an empty tensor.
   m.def(
       "backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
       "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, "
       "float activation_param, bool signed_weight, bool residual_grad) -> (Tensor dx, Tensor dresidual)");
+  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce
+  // stored z = f^-1(y) in z_out; the dx of backward_input from z, written over z
+  // (so the second pass skips the inversion and allocates nothing). Returns dresidual.
+  m.def(
+      "backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
+      "Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, bool signed_weight, "
+      "bool residual_grad) -> Tensor dresidual");
 }
 
-TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) { IABN_IMPL_ALL(m); }
+TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) {
+  IABN_IMPL_ALL(m);
+  IABN_IMPL_CPU_ONLY(m);
+}

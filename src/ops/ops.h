@@ -20,7 +20,8 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
                                                    const std::optional<at::Tensor>& weight,
                                                    const std::optional<at::Tensor>& bias,
                                                    const std::optional<at::Tensor>& residual, double eps,
-                                                   int64_t activation, double activation_param, bool signed_weight);
+                                                   int64_t activation, double activation_param, bool signed_weight,
+                                                   const std::optional<at::Tensor>& z_out);
 
 std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
                                                   const at::Tensor& var, const std::optional<at::Tensor>& weight,
@@ -30,11 +31,20 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
                                                   double eps, int64_t activation, double activation_param,
                                                   bool signed_weight, bool residual_grad);
 
+at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, const at::Tensor& var,
+                                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                                  const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz,
+                                  const at::Tensor& mean_gz_xhat, double eps, int64_t activation,
+                                  double activation_param, bool signed_weight, bool residual_grad);
+
 // The same front ends for a device's dispatch key.
 #define IABN_IMPL_ALL(m)                                      \
   m.impl("batch_stats", &::inplace_abn::batch_stats);         \
   m.impl("forward_", &::inplace_abn::forward_);               \
   m.impl("backward_reduce", &::inplace_abn::backward_reduce); \
   m.impl("backward_input", &::inplace_abn::backward_input)
+
+// CPU only (docs/DESIGN.md section 7.2)
+#define IABN_IMPL_CPU_ONLY(m) m.impl("backward_input_from_z_", &::inplace_abn::backward_input_from_z_)
 
 }  // namespace inplace_abn
