@@ -35,7 +35,7 @@ import torch
 from . import _activation as A
 from . import _backend, _pure
 
-OP_NAMES = ("gn_stats", "gn_forward_", "gn_backward_reduce", "gn_backward_input")
+OP_NAMES = ("gn_stats", "gn_forward_", "gn_backward_reduce", "gn_backward_input", "gn_backward_input_from_z_")
 
 SCHEMAS = {
     "gn_stats": "gn_stats(Tensor x, int groups) -> (Tensor, Tensor)",
@@ -44,11 +44,18 @@ SCHEMAS = {
         "float eps, int activation, float activation_param, bool signed_weight) -> Tensor"),
     "gn_backward_reduce": (
         "gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
-        "float eps, int activation, float activation_param, bool signed_weight) -> (Tensor, Tensor)"),
+        "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) "
+        "-> (Tensor, Tensor)"),
     "gn_backward_input": (
         "gn_backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
         "Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps, int activation, float activation_param, "
         "bool signed_weight, bool residual_grad) -> (Tensor, Tensor)"),
+    # SiLU, float32/float64 (docs/DESIGN.md section 7.2): dx from the z that
+    # gn_backward_reduce stored in z_out, written over z; returns dresidual
+    "gn_backward_input_from_z_": (
+        "gn_backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, "
+        "Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps, int activation, float activation_param, "
+        "bool signed_weight, bool residual_grad) -> Tensor"),
 }
 
 
@@ -100,9 +107,9 @@ def gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
     return mask
 
 
-def gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed):
+def gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out=None):
     # z, f'(z) and xhat from y: per element and per channel, so the BatchNorm recomputation serves as is
-    fp, xhat, _ = _pure._recompute(y, mask, weight, bias, residual, eps, act, p, signed)
+    fp, xhat, _ = _pure._recompute(y, mask, weight, bias, residual, eps, act, p, signed, z_out)
     gz = dy.to(fp.dtype) * fp
     return _spatial_sum(gz).to(fp.dtype), _spatial_sum(gz * xhat).to(fp.dtype)
 
@@ -110,6 +117,10 @@ def gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
 def gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
                       residual_grad):
     fp, xhat, g = _pure._recompute(y, mask, weight, bias, residual, eps, act, p, signed)
+    return _gn_dx(fp, xhat, g, y, dy, var, mean_ggz, mean_ggzx, eps, residual_grad)
+
+
+def _gn_dx(fp, xhat, g, y, dy, var, mean_ggz, mean_ggzx, eps, residual_grad):
     C, nd = y.shape[1], y.dim()
     gz = dy.to(fp.dtype) * fp
     rstd = _per_sample_channel(torch.rsqrt(var.to(fp.dtype) + eps), C, nd)
@@ -117,6 +128,14 @@ def gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_g
                  - xhat * _per_sample_channel(mean_ggzx.to(fp.dtype), C, nd))
     dr = gz.to(y.dtype) if residual_grad else torch.empty(0, dtype=y.dtype, device=y.device)
     return dx.to(y.dtype), dr
+
+
+def gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                              residual_grad):
+    fp, xhat, g = _pure.from_z(z, weight, bias, residual, eps, signed)
+    dx, dr = _gn_dx(fp, xhat, g, z, dy, var, mean_ggz, mean_ggzx, eps, residual_grad)
+    z.copy_(dx)
+    return dr
 
 
 PURE = {name: globals()[name] for name in OP_NAMES}
@@ -204,26 +223,23 @@ def _mask_of(mask, n, N):
     return mask[n * w:(n + 1) * w]
 
 
-def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed):
-    if not _native_ok(y, act):
-        return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out=None):
+    if not _native_ok(y, act) or y.numel() == 0 or (z_out is not None and not y.is_cpu):
+        return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out)
     N, C = y.shape[:2]
-    if y.numel() == 0:
-        return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
     if not _channels_last(y):
         s, sx = _BN.backward_reduce(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, _tile(weight, N),
-                                    _tile(bias, N), _flat(residual, N, C), eps, act, p, signed)
+                                    _tile(bias, N), _flat(residual, N, C), eps, act, p, signed,
+                                    _flat(z_out, N, C))
         return s.view(N, C), sx.view(N, C)
     per = [_BN.backward_reduce(y[n:n + 1], dy[n:n + 1], _mask_of(mask, n, N), weight, bias, _samples(residual, n),
-                               eps, act, p, signed) for n in range(N)]
+                               eps, act, p, signed, _samples(z_out, n)) for n in range(N)]
     return torch.stack([s for s, _ in per]), torch.stack([sx for _, sx in per])
 
 
-def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
-                             residual_grad):
-    if not _native_ok(y, act) or y.numel() == 0:
-        return gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
-                                 residual_grad)
+def _bn_means(y, var, weight, mean_ggz, mean_ggzx, eps, signed):
+    """GroupNorm's (N, G) group means as the BatchNorm kernel's (N, C) ones, and
+    the (N, C) variances."""
     N, C = y.shape[:2]
     acc = A.acc_dtype(y.dtype)
     # The BatchNorm kernel computes g~ r (gz - m_gz - xhat m_gzx); GroupNorm's
@@ -236,7 +252,16 @@ def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz,
     # (N, G, 1) * (G, C/G) -> (N, C): the group means on their channels, over g~_c
     m_gz = (mean_ggz.to(acc).unsqueeze(2) * inv_g.view(G, C // G)).view(N, C)
     m_gzx = (mean_ggzx.to(acc).unsqueeze(2) * inv_g.view(G, C // G)).view(N, C)
-    v = _nc(var, C).view(N, C)
+    return m_gz, m_gzx, _nc(var, C).view(N, C)
+
+
+def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                             residual_grad):
+    if not _native_ok(y, act) or y.numel() == 0:
+        return gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                                 residual_grad)
+    N, C = y.shape[:2]
+    m_gz, m_gzx, v = _bn_means(y, var, weight, mean_ggz, mean_ggzx, eps, signed)
     if not _channels_last(y):
         dx, dr = _BN.backward_input(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, v.view(-1),
                                     _tile(weight, N), _tile(bias, N), _flat(residual, N, C), m_gz.view(-1),
@@ -266,6 +291,27 @@ def _declared(name):
     return True
 
 
+def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                                    residual_grad):
+    if not _native_ok(z, act) or z.numel() == 0 or not z.is_cpu:
+        return gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p,
+                                         signed, residual_grad)
+    N, C = z.shape[:2]
+    m_gz, m_gzx, v = _bn_means(z, var, weight, mean_ggz, mean_ggzx, eps, signed)
+    if not _channels_last(z):
+        dr = _BN.backward_input_from_z_(_flat(z, N, C), _flat(dy.contiguous(), N, C), v.view(-1), _tile(weight, N),
+                                        _tile(bias, N), _flat(residual, N, C), m_gz.view(-1), m_gzx.view(-1), eps,
+                                        act, p, signed, residual_grad)
+        return dr.view(z.shape) if residual_grad else dr
+    dr = torch.empty_like(z) if residual_grad else z.new_empty(0)
+    for n in range(N):
+        drn = _BN.backward_input_from_z_(z[n:n + 1], dy[n:n + 1], v[n], weight, bias, _samples(residual, n), m_gz[n],
+                                         m_gzx[n], eps, act, p, signed, residual_grad)
+        if residual_grad:
+            dr[n:n + 1] = drn
+    return dr
+
+
 NATIVE = {name: globals()["native_" + name] for name in OP_NAMES}
 
 
@@ -292,7 +338,7 @@ def _register():
         return x.new_empty(words, dtype=torch.int32)
 
     @torch.library.register_fake("inplace_abn::gn_backward_reduce", lib=_lib)
-    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight):
+    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None):
         N, C = y.shape[:2]
         return y.new_empty(N, C, dtype=acc(y)), y.new_empty(N, C, dtype=acc(y))
 
@@ -300,6 +346,11 @@ def _register():
     def _(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, activation_param,
           signed_weight, residual_grad):
         return torch.empty_like(y), (torch.empty_like(y) if residual_grad else y.new_empty(0))
+
+    @torch.library.register_fake("inplace_abn::gn_backward_input_from_z_", lib=_lib)
+    def _(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, activation_param, signed_weight,
+          residual_grad):
+        return torch.empty_like(z) if residual_grad else z.new_empty(0)
 
 
 _register()
@@ -314,6 +365,12 @@ class _Ops:
 
 _PURE_OPS = _Ops(PURE)
 _DISPATCHED_OPS = _Ops({name: getattr(torch.ops.inplace_abn, name) for name in OP_NAMES})
+
+
+def keeps_z(ops, y: torch.Tensor, act: int) -> bool:
+    """Whether the backward keeps z between its passes: as `_backend.keeps_z`,
+    for the dispatched operators on the CPU with the BatchNorm kernels built."""
+    return ops is _DISPATCHED_OPS and _backend.keeps_z(_backend.NATIVE, y, act) and _backend.HAS_NATIVE
 
 
 def ops_for(x: torch.Tensor, choice: Optional[str] = None):

@@ -229,8 +229,9 @@ def forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
     return mask
 
 
-def _recompute(y, mask, weight, bias, residual, eps, act, p, signed):
-    """z, gz's factor f'(z) and xhat from y alone (one call's temporaries)."""
+def _recompute(y, mask, weight, bias, residual, eps, act, p, signed, z_out=None):
+    """gz's factor f'(z), xhat and g~ from y alone (one call's temporaries); z
+    itself is copied into ``z_out`` when given."""
     acc = acc_dtype(y.dtype)
     C, nd = y.shape[1], y.dim()
     g, b = _coefficients(weight, bias, eps, signed, C, acc, y.device)
@@ -240,10 +241,22 @@ def _recompute(y, mask, weight, bias, residual, eps, act, p, signed):
     else:
         z = inverse_act(ya, None, act, p)
         fp = deriv_act(ya, z, act, p)
+    if z_out is not None:
+        z_out.copy_(z)
+    return (fp,) + _xhat(z, g, b, residual, nd)
+
+
+def _xhat(z, g, b, residual, nd):
+    """(xhat, g~): xhat = (z [- residual] - beta) / g~."""
     if residual is not None:
-        z = z - residual.to(acc)
-    xhat = (z - _per_channel(b, nd)) / _per_channel(g, nd)
-    return fp, xhat, g
+        z = z - residual.to(z.dtype)
+    return (z - _per_channel(b, nd)) / _per_channel(g, nd), g
+
+
+def from_z(z, weight, bias, residual, eps, signed):
+    """f'(z), xhat and g~ from a stored SiLU z (docs/DESIGN.md section 7.2)."""
+    g, b = _coefficients(weight, bias, eps, signed, z.shape[1], z.dtype, z.device)
+    return (deriv_act(None, z, A.SILU, 0.0),) + _xhat(z, g, b, residual, z.dim())
 
 
 def backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed):

@@ -53,8 +53,13 @@ class _InPlaceAGNFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[3]
 
-        # (N, C) sums over the spatial positions of gz and gz xhat
-        s_gz, s_gzx = ops.gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+        # (N, C) sums over the spatial positions of gz and gz xhat; SiLU on the
+        # CPU keeps z for the second pass (docs/DESIGN.md section 7.2)
+        z = torch.empty_like(y) if need_x and _groupnorm_ops.keeps_z(ops, y, act) else None
+        if z is None:
+            s_gz, s_gzx = ops.gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
+        else:
+            s_gz, s_gzx = ops.gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z)
         dx = dr = None
         if need_x or need_r:
             N, C = y.shape[:2]
@@ -67,8 +72,12 @@ class _InPlaceAGNFunction(torch.autograd.Function):
             # group means of g~ gz and g~ gz xhat, per sample (N, G)
             mean_ggz = (s_gz * g).view(N, G, C // G).sum(2) / m
             mean_ggzx = (s_gzx * g).view(N, G, C // G).sum(2) / m
-            dx, dr = ops.gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act,
-                                           p, signed, need_r)
+            if z is None:
+                dx, dr = ops.gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
+                                               act, p, signed, need_r)
+            else:
+                dx, dr = z, ops.gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx,
+                                                          eps, act, p, signed, need_r)
             dx = dx.to(dtype) if need_x else None
             dr = dr.to(dtype) if need_r else None
         dweight, dbias = _param_grads(s_gz.sum(0), s_gzx.sum(0), weight, bias, signed, need_w, need_b)

@@ -297,6 +297,45 @@ def test_opcheck_groupnorm_operators(act, fmt, residual):
                           (x.clone().bfloat16(), mean, var, None, None, None, 1e-5, act, p, False))
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape,fmt", [((3, 8, 4, 5), torch.contiguous_format), ((3, 8, 4, 5), torch.channels_last),
+                                       ((3, 6, 4, 5), torch.channels_last)],  # the last: pure fallback (S C = 120)
+                         ids=["contiguous", "channels_last", "channels_last_unaligned"])
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_silu_backward_from_z(backend, shape, fmt, residual):
+    """gn_backward_reduce keeping z and gn_backward_input_from_z_ (the CPU SiLU
+    path, docs/DESIGN.md section 7.2): opcheck, sums bitwise those without
+    z_out, dx and dresidual within a few ulp of gn_backward_input's."""
+    if backend == "native" and not inplace_abn.HAS_NATIVE:
+        pytest.skip("native extension not built")
+    g = torch.Generator().manual_seed(11)
+    ops = torch.ops.inplace_abn if backend == "native" else inplace_abn._groupnorm_ops._PURE_OPS
+    act, G = _activation.SILU, 2
+    x = torch.randn(shape, generator=g).contiguous(memory_format=fmt)
+    w, b = torch.rand(shape[1], generator=g) + 0.5, torch.randn(shape[1], generator=g)
+    r = torch.randn(shape, generator=g).contiguous(memory_format=fmt) if residual else None
+    mean, var = ops.gn_stats(x, G)
+    y = x.clone()
+    mask = ops.gn_forward_(y, mean, var, w, b, r, 1e-5, act, 0.0, True)
+    dy = torch.randn_like(y)
+    z = torch.empty_like(y)
+    sums = ops.gn_backward_reduce(y, dy, mask, w, b, r, 1e-5, act, 0.0, True, z)
+    for got, want in zip(sums, ops.gn_backward_reduce(y, dy, mask, w, b, r, 1e-5, act, 0.0, True)):
+        assert torch.equal(got, want)
+    mg, mgx = torch.randn(3, G, generator=g), torch.randn(3, G, generator=g)
+    args = (dy, var, w, b, r, mg, mgx, 1e-5, act, 0.0, True, residual)
+    if backend == "native":
+        torch.library.opcheck(torch.ops.inplace_abn.gn_backward_reduce.default,
+                              (y, dy, mask, w, b, r, 1e-5, act, 0.0, True, torch.empty_like(y)))
+        torch.library.opcheck(torch.ops.inplace_abn.gn_backward_input_from_z_.default, (z.clone(),) + args)
+    dx_ref, dr_ref = ops.gn_backward_input(y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, 0.0, True, residual)
+    dr = ops.gn_backward_input_from_z_(z, *args)
+    tol = 16 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(z, dx_ref, rtol=0, atol=tol * dx_ref.abs().max().item())
+    if residual:
+        torch.testing.assert_close(dr, dr_ref, rtol=0, atol=tol * dr_ref.abs().max().item())
+
+
 def test_operators_have_composite_kernels_a_device_kernel_can_override():
     """The pure kernels are registered to CompositeExplicitAutograd, which a
     TORCH_LIBRARY_IMPL(inplace_abn, CPU/CUDA) kernel overrides per device."""

@@ -97,3 +97,29 @@ def test_z_path_refuses_what_it_cannot_do():
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 1, 0.1, False, torch.empty_like(y))
     with pytest.raises(RuntimeError, match="shape, strides and dtype"):
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 3, 0.0, False, torch.empty(3))
+
+
+@pytest.mark.parametrize("dtype,kept", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, False)],
+                         ids=str)
+def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
+    """InPlaceABN and InPlaceAGN with SiLU call backward_input_from_z_ in
+    float32/float64 on the CPU (and the inverting backward_input otherwise)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    x0 = torch.randn(2, 8, 4, 4, dtype=dtype, requires_grad=True)
+    for layer, op in [(inplace_abn.InPlaceABN(8, activation="silu"), "inplace_abn::backward_input"),
+                      (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::gn_backward_input")]:
+        layer = layer.to(dtype)
+        with Calls() as calls:
+            layer(x0 * 1).sum().backward()
+        assert (op + "_from_z_" in calls.names) == kept, calls.names
+        assert (op in calls.names) == (not kept), calls.names
