@@ -15,8 +15,9 @@ diffusers 0.42.1; the tests compare every converted block with the stock one.
   which nothing else reads: it is overwritten directly. ``norm1`` reads the
   block input, which the shortcut reads again: it works on a clone (the clone
   becomes the output the layer saves; see section 9.1 for the measured cost).
-- ``Attention`` (self-attention blocks): its ``group_norm`` has no
-  activation after it and its input is the residual: left, with that reason.
+- ``Attention`` and ``Transformer2DModel``: their GroupNorm (``group_norm``,
+  ``norm``) feeds a projection, not an activation, and its input is the
+  residual: left, with that reason.
 - ``UNet2DModel`` / ``UNet2DConditionModel`` (their own forward):
   ``conv_norm_out -> conv_act`` becomes one `InPlaceAGN` (``conv_act`` an
   ``nn.Identity``). Its input is the last up block's output, which that
@@ -29,6 +30,7 @@ import torch
 import torch.nn as nn
 from diffusers.models.attention_processor import Attention
 from diffusers.models.resnet import ResnetBlock2D
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from diffusers.models.unets.unet_2d import UNet2DModel
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from diffusers.utils import deprecate
@@ -157,11 +159,13 @@ def rewrite(model: nn.Module, relu_to, report, handled: Set[int], clone_input: b
             layers, why = _convert_unet_output(module, relu_to)
             if not layers and not why:
                 continue
-        elif isinstance(module, Attention) and isinstance(module.group_norm, nn.GroupNorm):
-            handled.add(id(module))
-            report.left.append(LeftLayer(prefix + "group_norm", "diffusers Attention: its GroupNorm feeds the "
-                                         "query/key/value projections, not an activation, and its input is the "
-                                         "attention's residual (read again)"))
+        elif isinstance(module, (Attention, Transformer2DModel)):
+            name = "group_norm" if isinstance(module, Attention) else "norm"
+            if isinstance(getattr(module, name, None), nn.GroupNorm):
+                handled.add(id(module))
+                report.left.append(LeftLayer(prefix + name, f"diffusers {type(module).__name__}: its GroupNorm "
+                                             "feeds a projection, not an activation, and its input is the "
+                                             "residual (read again)"))
             continue
         else:
             continue

@@ -291,8 +291,12 @@ def _rewrite_known_modules(model: nn.Module, job: _Job) -> None:
     of docs/DESIGN.md). Only when diffusers is imported: a model holding its
     blocks implies it, and this package never imports it otherwise."""
     if "diffusers" in sys.modules:
-        from . import _convert_diffusers
-
+        try:
+            from . import _convert_diffusers
+        except ImportError as e:  # another diffusers layout: convert what fx can, and say so
+            job.report.warnings.append(f"diffusers blocks not rewritten (this diffusers has another layout: {e})")
+            logger.warning("convert_model: %s", job.report.warnings[-1])
+            return
         _convert_diffusers.rewrite(model, job.relu_to, job.report, job.handled)
 
 
