@@ -137,8 +137,8 @@ setup(
     packages=find_packages(include=["inplace_abn", "inplace_abn.*"]),
     install_requires=["torch>=2.4"],
     extras_require={
-        "test": ["pytest", "numpy", "torchvision"],
-        "examples": ["torchvision", "tqdm", "matplotlib"],
+        "test": ["pytest", "numpy", "torchvision", "diffusers"],
+        "examples": ["torchvision", "tqdm", "matplotlib", "diffusers"],
     },
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExt},

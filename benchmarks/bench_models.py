@@ -198,14 +198,24 @@ def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, pro
     target = torch.randint(0, classes, (batch, size, size) if seg else (batch,), generator=g)
     mem = {v: saved_bytes(m, x) for v, m in models.items()}
     steps = {v: make_step(m, x, target) for v, m in models.items()}
-    times = {v: [] for v in VARIANTS}
+    times = time_interleaved(steps, repeats, warmup, f"{name} b{batch} {size}px", progress)
+    del models, steps
+    gc.collect()
+    return {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}
+
+
+def time_interleaved(steps, repeats: int, warmup: int, desc: str, progress=True):
+    """{variant: [seconds of each timed call]} of the callables ``steps`` ({variant: step}),
+    run in turns: every repeat runs each once, the order rotating from one repeat to the next."""
     from tqdm import tqdm
 
-    bar = tqdm(range(warmup + repeats), desc=f"{name} b{batch} {size}px", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True, leave=False)
+    names = list(steps)
+    times = {v: [] for v in names}
+    bar = tqdm(range(warmup + repeats), desc=desc, file=sys.stderr, disable=not progress, dynamic_ncols=True,
+               leave=False)
     for r in bar:
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]  # every variant takes every position in turn
-        for v in order:
+        k = r % len(names)
+        for v in names[k:] + names[:k]:  # every variant takes every position in turn
             t0 = time.perf_counter()
             steps[v]()
             dt = time.perf_counter() - t0
@@ -214,11 +224,9 @@ def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, pro
         if r < warmup:
             bar.set_postfix_str("warm-up")
         else:
-            bar.set_postfix_str(", ".join(f"{v} {statistics.median(times[v]) * 1e3:.0f} ms" for v in VARIANTS))
+            bar.set_postfix_str(", ".join(f"{v} {statistics.median(times[v]) * 1e3:.0f} ms" for v in names))
     bar.close()
-    del models, steps
-    gc.collect()
-    return {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}
+    return times
 
 
 # ---- report --------------------------------------------------------------------------------------

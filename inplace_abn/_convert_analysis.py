@@ -1,6 +1,7 @@
 """Graph analysis for `convert_model`: tracing, the patterns around a
-BatchNorm call, and whether overwriting its input is safe (see the docstring
-of `inplace_abn.convert` for the rules)."""
+BatchNorm or GroupNorm call (a "norm" below: the rules are the same for both),
+and whether overwriting its input is safe (see the docstring of
+`inplace_abn.convert` for the rules)."""
 import copy
 import inspect
 import operator
@@ -16,9 +17,22 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from . import _activation
 from .abn import ABN
+from .groupnorm import AGN
 from .memory import _storage_key
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+NORM_TYPES = BN_TYPES + (nn.GroupNorm,)  # the plain modules convert_model replaces
+LAYER_TYPES = (ABN, AGN)  # this package's layers: never traced into or converted again
+
+
+def is_norm(m: nn.Module) -> bool:
+    """Whether ``m`` is a BatchNorm or GroupNorm module (a subclass too: the report then says why it is left)."""
+    return isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm))
+
+
+def norm_kind(m: nn.Module) -> str:
+    """``"gn"`` for a GroupNorm, ``"bn"`` for a BatchNorm: the prefix of the report's patterns."""
+    return "gn" if isinstance(m, nn.GroupNorm) else "bn"
 
 # ---- graph analysis ----------------------------------------------------------------------
 
@@ -117,7 +131,7 @@ def _is_fresh(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
 
 
 def _input_problem(x: fx.Node, bn: fx.Node, modules) -> Optional[str]:
-    """None when the BatchNorm's input may be overwritten, else why not."""
+    """None when the norm's input may be overwritten, else why not."""
     chain, node = bn, x
     while True:
         others = [u for u in node.users if u is not chain]
@@ -173,13 +187,29 @@ def _number(v) -> Optional[float]:
 def _match_activation(node: fx.Node, src: fx.Node, modules, relu_to) -> Optional[Tuple[str, Any, str]]:
     """(activation, param or None if not a constant, description) when ``node`` applies a
     supported activation to ``src``; None otherwise. ReLU is mapped to ``relu_to``."""
-    found = _find_activation(node, src, modules)
-    if found is None:
-        return None
-    act, param, desc = found
-    if act == "relu":
-        return relu_to[0], relu_to[1], f"{desc} -> {relu_to[0]}({relu_to[1]:g})"
-    return act, param, desc
+    return map_relu(_find_activation(node, src, modules), relu_to)
+
+
+def module_activation(m: nn.Module) -> Optional[Tuple[str, Any, str]]:
+    """(activation, param, description) of an activation module this package
+    supports (ReLU reported as "relu": the caller maps it), else None."""
+    kind = type(m)
+    if kind is nn.ReLU:
+        return "relu", 0.0, "ReLU"
+    if kind is nn.LeakyReLU:
+        return "leaky_relu", _number(m.negative_slope), f"LeakyReLU({m.negative_slope:g})"
+    if kind is nn.ELU:
+        return "elu", _number(m.alpha), f"ELU({m.alpha:g})"
+    if kind is nn.SiLU:
+        return "silu", 0.0, "SiLU"
+    return None
+
+
+def map_relu(found: Optional[Tuple[str, Any, str]], relu_to) -> Optional[Tuple[str, Any, str]]:
+    """``found`` with ReLU replaced by ``relu_to`` (ReLU is not invertible), the description saying so."""
+    if found is None or found[0] != "relu":
+        return found
+    return relu_to[0], relu_to[1], f"{found[2]} -> {relu_to[0]}({relu_to[1]:g})"
 
 
 def _find_activation(node: fx.Node, src: fx.Node, modules) -> Optional[Tuple[str, Any, str]]:
@@ -192,17 +222,7 @@ def _find_activation(node: fx.Node, src: fx.Node, modules) -> Optional[Tuple[str
         return _number(node.kwargs.get(key, default))
 
     if node.op == "call_module":
-        m = modules[node.target]
-        kind = type(m)
-        if kind is nn.ReLU:
-            return "relu", 0.0, "ReLU"
-        if kind is nn.LeakyReLU:
-            return "leaky_relu", _number(m.negative_slope), f"LeakyReLU({m.negative_slope:g})"
-        if kind is nn.ELU:
-            return "elu", _number(m.alpha), f"ELU({m.alpha:g})"
-        if kind is nn.SiLU:
-            return "silu", 0.0, "SiLU"
-        return None
+        return module_activation(modules[node.target])
     if node.op == "call_function":
         t = node.target
         name = getattr(t, "__name__", str(t))
@@ -241,7 +261,8 @@ def _match_add(node: fx.Node, src: fx.Node) -> Optional[fx.Node]:
     return other
 
 
-def _act_problem(act: str, param) -> Optional[str]:
+def act_problem(act: str, param) -> Optional[str]:
+    """Why the in-place layer cannot take this activation (or would save nothing with it), or None."""
     if param is None:
         return "its parameter is not a constant"
     try:
@@ -262,9 +283,9 @@ def _same_shape(a: fx.Node, b: fx.Node) -> Optional[str]:
     if ma is None or mb is None:
         return None
     if tuple(ma.shape) != tuple(mb.shape):
-        return f"the shortcut's shape {list(mb.shape)} differs from the BatchNorm output's {list(ma.shape)}"
+        return f"the shortcut's shape {list(mb.shape)} differs from the norm's output's {list(ma.shape)}"
     if ma.dtype != mb.dtype:
-        return f"the shortcut's dtype {mb.dtype} differs from the BatchNorm output's {ma.dtype}"
+        return f"the shortcut's dtype {mb.dtype} differs from the norm's output's {ma.dtype}"
     return None
 
 
@@ -303,19 +324,22 @@ def reached_into(cls: type) -> Optional[set]:
     return names
 
 
-def has_batchnorm(m: nn.Module) -> bool:
-    """Whether ``m`` holds a BatchNorm module (not counting this package's layers)."""
-    return any(isinstance(s, nn.modules.batchnorm._BatchNorm) for s in m.modules())
+def has_norm(m: nn.Module, skip: frozenset = frozenset()) -> bool:
+    """Whether ``m`` holds a BatchNorm or GroupNorm module (not counting this
+    package's layers, nor the modules whose ids are in ``skip``, with theirs)."""
+    if id(m) in skip:
+        return False
+    return is_norm(m) or any(has_norm(c, skip) for c in m.children())
 
 
 class _Tracer(fx.Tracer):
     """fx's default tracer, plus leaves: the package's own layers, and modules
     whose forward reads ``self.training`` (tracing into them would freeze the
     mode they were traced in, e.g. torchvision's StochasticDepth would keep
-    dropping paths in eval mode; one holding BatchNorms is converted on its own)."""
+    dropping paths in eval mode; one holding norms is converted on its own)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, ABN) or super().is_leaf_module(m, qualname) or _reads_training(type(m))
+        return isinstance(m, LAYER_TYPES) or super().is_leaf_module(m, qualname) or _reads_training(type(m))
 
 
 def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args) -> Tuple[fx.Graph, nn.Module, bool]:
@@ -349,9 +373,9 @@ def set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
 
 @dataclass
 class Candidate:
-    """One way of converting a BatchNorm call: ``act(bn(x) [+ shortcut])``."""
+    """One way of converting a norm call: ``act(bn(x) [+ shortcut])``."""
 
-    pattern: str  # "bn+add+act", "bn+act", "bn+add" or "bn"
+    pattern: str  # "bn+add+act", "bn+act", "bn+add" or "bn" ("gn..." for a GroupNorm)
     activation: str
     param: float
     source: str  # what is fused, for the report
@@ -365,10 +389,10 @@ class Candidate:
 
 
 def module_problem(bn: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int]) -> Optional[str]:
-    """Why the module called by ``bn`` (a call_module of a _BatchNorm) cannot be replaced, or None."""
+    """Why the module called by ``bn`` (a call_module of a norm) cannot be replaced, or None."""
     module = modules[bn.target]
-    if type(module) not in BN_TYPES:
-        return f"{type(module).__name__} is not a plain BatchNorm"
+    if type(module) not in NORM_TYPES:
+        return f"{type(module).__name__} is not a plain {'GroupNorm' if norm_kind(module) == 'gn' else 'BatchNorm'}"
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
         return "lazy module not initialised yet"
     if calls[bn.target] > 1:
@@ -383,7 +407,8 @@ def module_problem(bn: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, 
 
 def find_candidates(bn: fx.Node, modules, relu_to, residual: bool, standalone: bool
                     ) -> Tuple[List[Candidate], List[str]]:
-    """The patterns that fit around ``bn``, best first, and notes on why better ones do not."""
+    """The patterns that fit around ``bn`` (a norm call), best first, and notes on why better ones do not."""
+    kind = norm_kind(modules[bn.target])
     notes: List[str] = []
     users = list(bn.users)
     found: List[Candidate] = []
@@ -400,29 +425,29 @@ def find_candidates(bn: fx.Node, modules, relu_to, residual: bool, standalone: b
                 add_users = list(user.users)
                 act = _match_activation(add_users[0], user, modules, relu_to) if len(add_users) == 1 else None
                 if act is not None:
-                    problem = _act_problem(act[0], act[1])
+                    problem = act_problem(act[0], act[1])
                     if problem:
                         notes.append(f"activation {act[2]}: {problem}")
                     else:
-                        found.append(Candidate("bn+add+act", act[0], act[1], f"add + {act[2]}", act=add_users[0],
+                        found.append(Candidate(f"{kind}+add+act", act[0], act[1], f"add + {act[2]}", act=add_users[0],
                                                add=user, shortcut=shortcut))
                 elif len(add_users) == 1:
                     notes.append(f"the add feeds {_callable_name(add_users[0], modules)}, not a supported "
                                  "activation")
                 else:
                     notes.append(f"the add's output has {len(add_users)} readers")
-                found.append(Candidate("bn+add", "identity", 0.0, "add", add=user, shortcut=shortcut))
+                found.append(Candidate(f"{kind}+add", "identity", 0.0, "add", add=user, shortcut=shortcut))
         act = _match_activation(user, bn, modules, relu_to)
         if act is not None:
-            problem = _act_problem(act[0], act[1])
+            problem = act_problem(act[0], act[1])
             if problem:
                 notes.append(f"activation {act[2]}: {problem}")
             else:
-                found.append(Candidate("bn+act", act[0], act[1], act[2], act=user))
+                found.append(Candidate(f"{kind}+act", act[0], act[1], act[2], act=user))
         elif shortcut is None:
             notes.append(f"its output feeds {_callable_name(user, modules)}, not a supported activation")
     if standalone:
-        found.append(Candidate("bn", "identity", 0.0, ""))
+        found.append(Candidate(kind, "identity", 0.0, ""))
     return found, notes
 
 
@@ -519,9 +544,9 @@ class RunSafety:
     backward, from the tensors' storages, version counters and autograd's
     saved-tensor hooks. No operator table is consulted.
 
-    ``x`` (a BatchNorm's input) may be overwritten when its storage is no
+    ``x`` (a norm's input) may be overwritten when its storage is no
     model input, parameter or buffer, has no internal overlap, is read by no
-    node after the BatchNorm, and is saved for backward by no node (nor by a
+    node after the norm, and is saved for backward by no node (nor by a
     layer converted before). A candidate's output must not be written in
     place by a later node (the layer saves it).
     """

@@ -1,5 +1,5 @@
-"""Weight transfer for `convert_model`: a BatchNorm's parameters and buffers
-handed to a ``weight_mode="signed"`` in-place layer (see the docstring of
+"""Weight transfer for `convert_model`: a BatchNorm's (GroupNorm's) parameters
+and buffers handed to a ``weight_mode="signed"`` in-place layer (see the docstring of
 `inplace_abn.convert`, "Weights")."""
 import math
 from typing import Dict, Tuple
@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from . import _activation
 from .abn import InPlaceABN, InPlaceABNSync
+from .groupnorm import InPlaceAGN
 
 
 def bn_weight_to_signed(weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -48,39 +49,45 @@ def bn_weight_to_signed(weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor,
 
 
 def load_batchnorm_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor], strict: bool = True):
-    """Load a state dict of the ORIGINAL (BatchNorm) model into a converted model.
+    """Load a state dict of the ORIGINAL (BatchNorm / GroupNorm) model into a converted model.
 
-    The keys match as they are; the weights of signed-mode in-place layers are
+    The keys match as they are; the weights of signed-mode in-place layers
+    (`InPlaceABN`, `InPlaceAGN`) are
     mapped with `bn_weight_to_signed` on the way (the converted model's own
     checkpoints load with the ordinary ``load_state_dict``).
     """
     state_dict = dict(state_dict)
     for name, m in model.named_modules():
         key = f"{name}.weight" if name else "weight"
-        if isinstance(m, InPlaceABN) and m.weight_mode == "signed" and key in state_dict:
+        if isinstance(m, (InPlaceABN, InPlaceAGN)) and m.weight_mode == "signed" and key in state_dict:
             state_dict[key] = bn_weight_to_signed(state_dict[key], m.eps)[0]
     return model.load_state_dict(state_dict, strict=strict)
 
 
-def make_layer(bn: nn.Module, activation: str, param: float) -> Tuple[InPlaceABN, int]:
-    """The in-place layer replacing ``bn`` and its count of channels with
-    |weight| <= eps. It takes over bn's Parameter and buffer objects (the
-    weight rewritten in place by `bn_weight_to_signed`) and its mode."""
-    kwargs = dict(eps=bn.eps, momentum=bn.momentum, affine=bn.affine, track_running_stats=bn.track_running_stats,
-                  activation=activation, activation_param=param, weight_mode="signed")
-    if isinstance(bn, nn.SyncBatchNorm):
-        layer = InPlaceABNSync(bn.num_features, group=bn.process_group, **kwargs)
+def make_layer(norm: nn.Module, activation: str, param: float) -> Tuple[nn.Module, int]:
+    """The in-place layer replacing ``norm`` (an `InPlaceABN` / `InPlaceABNSync`
+    for a BatchNorm, an `InPlaceAGN` for a GroupNorm) and its count of channels
+    with |weight| <= eps. It takes over the norm's Parameter and buffer objects
+    (the weight rewritten in place by `bn_weight_to_signed`) and its mode."""
+    common = dict(eps=norm.eps, affine=norm.affine, activation=activation, activation_param=param,
+                  weight_mode="signed")
+    if isinstance(norm, nn.GroupNorm):
+        layer = InPlaceAGN(norm.num_groups, norm.num_channels, **common)
     else:
-        layer = InPlaceABN(bn.num_features, **kwargs)
+        kwargs = dict(common, momentum=norm.momentum, track_running_stats=norm.track_running_stats)
+        if isinstance(norm, nn.SyncBatchNorm):
+            layer = InPlaceABNSync(norm.num_features, group=norm.process_group, **kwargs)
+        else:
+            layer = InPlaceABN(norm.num_features, **kwargs)
+        if norm.track_running_stats:
+            layer.running_mean, layer.running_var = norm.running_mean, norm.running_var
+            layer.num_batches_tracked = norm.num_batches_tracked
     small = 0
-    if bn.affine:
+    if norm.affine:
         with torch.no_grad():
-            w2, exact = bn_weight_to_signed(bn.weight, bn.eps)
+            w2, exact = bn_weight_to_signed(norm.weight, norm.eps)
             small = int((~exact).sum())
-            bn.weight.copy_(w2)  # same Parameter objects: optimizers built on them keep working
-        layer.weight, layer.bias = bn.weight, bn.bias
-    if bn.track_running_stats:
-        layer.running_mean, layer.running_var = bn.running_mean, bn.running_var
-        layer.num_batches_tracked = bn.num_batches_tracked
-    layer.train(bn.training)
+            norm.weight.copy_(w2)  # same Parameter objects: optimizers built on them keep working
+        layer.weight, layer.bias = norm.weight, norm.bias
+    layer.train(norm.training)
     return layer, small

@@ -1,7 +1,8 @@
 """Whole-model conversion to In-Place ABN (``convert_model``).
 
 ``convert_model`` traces a model with ``torch.fx`` and rewrites, per BatchNorm
-module call (in order of preference):
+or GroupNorm module call (in order of preference; a GroupNorm's patterns read
+``gn+add+act``, ``gn+act``, ``gn+add``, ``gn``):
 
 =============  ===========================================  ===========================
 pattern        graph before                                 after
@@ -13,9 +14,11 @@ pattern        graph before                                 after
 =============  ===========================================  ===========================
 
 ``iabn`` is an `InPlaceABN` with ``weight_mode="signed"`` (an `InPlaceABNSync`
-for ``nn.SyncBatchNorm``) stored under the BatchNorm's own qualified name, so
-state-dict keys do not change. ``f`` is ReLU (mapped to ``activation``, by
-default leaky_relu(0.01): ReLU is not invertible), LeakyReLU (slope kept),
+for ``nn.SyncBatchNorm``; an `InPlaceAGN` for ``nn.GroupNorm``, same groups
+and eps) stored under the norm's own qualified name, so state-dict keys do
+not change. GroupNorm follows every rule below as BatchNorm does. ``f`` is
+ReLU (mapped to ``activation``, by default leaky_relu(0.01): ReLU is not
+invertible), LeakyReLU (slope kept),
 ELU (alpha kept) or SiLU, as a module (``nn.ReLU(inplace=True)`` too), a
 function (``F.relu``, ``torch.relu``, ``F.silu``, ``F.leaky_relu``, ``F.elu``,
 their ``_`` variants) or a method (``x.relu()``).
@@ -33,8 +36,8 @@ Every converted layer overwrites its input ``x`` and keeps only its output
   the add's output has no reader but the activation;
 - the layer's output (and ``r``) is not modified in place later (autograd
   would refuse the backward);
-- the BatchNorm module is called once and is a plain ``nn.BatchNorm1d/2d/3d``
-  or ``nn.SyncBatchNorm`` with initialised parameters.
+- the BatchNorm module is called once and is a plain ``nn.BatchNorm1d/2d/3d``,
+  ``nn.SyncBatchNorm`` or ``nn.GroupNorm`` with initialised parameters.
 
 With ``example_inputs`` these rules are not taken from operator tables but
 observed: the graph runs on the inputs (on a copy, in training and in eval
@@ -48,6 +51,15 @@ or not depending on strides).
 
 Whatever is not converted stays as it was; the `ConversionReport` says what
 was converted and why the rest was left.
+
+Known blocks that torch.fx cannot trace are rewritten at module level first
+(`inplace_abn._convert_diffusers`, imported only when diffusers is): each
+diffusers ``ResnetBlock2D`` (norm1 -> nonlinearity and norm2 -> nonlinearity,
+norm1 on a clone of the block input, which the shortcut reads) and the
+``conv_norm_out -> conv_act`` of ``UNet2DModel`` / ``UNet2DConditionModel``.
+The report lists those blocks in ``rewritten``; when the model itself cannot
+be traced after that, its submodules are converted one by one instead of
+raising.
 
 Weights. With ``weight_mode="signed"`` the layer scales by
 ``g~ = sign(w')(|w'| + eps)``. The converted weight ``w'`` is chosen so that
@@ -89,6 +101,7 @@ broadcasting add then fails with the layer's clear shape error).
 import copy
 import inspect
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -104,6 +117,9 @@ from ._convert_weights import bn_weight_to_signed, load_batchnorm_state_dict, ma
 
 logger = logging.getLogger(__name__)
 
+_FUNCTIONAL_NORMS = {F.batch_norm: "batch_norm", torch.batch_norm: "batch_norm", F.group_norm: "group_norm",
+                     torch.group_norm: "group_norm"}
+
 __all__ = ["convert_model", "ConversionReport", "ConvertedLayer", "LeftLayer", "bn_weight_to_signed",
            "load_batchnorm_state_dict"]
 
@@ -113,10 +129,10 @@ __all__ = ["convert_model", "ConversionReport", "ConvertedLayer", "LeftLayer", "
 
 @dataclass
 class ConvertedLayer:
-    """One BatchNorm converted to an in-place layer."""
+    """One BatchNorm (GroupNorm) converted to an in-place layer."""
 
     name: str  # qualified module name (the new layer keeps it)
-    pattern: str  # "bn+add+act", "bn+act", "bn+add" or "bn"
+    pattern: str  # "bn+add+act", "bn+act", "bn+add" or "bn"; "gn+..." for GroupNorms
     activation: str  # the in-place layer's activation
     activation_param: float
     source: str = ""  # what was fused, e.g. "add + ReLU -> leaky_relu(0.01)"
@@ -126,7 +142,7 @@ class ConvertedLayer:
 
 @dataclass
 class LeftLayer:
-    """One BatchNorm call left as it was."""
+    """One BatchNorm (GroupNorm) call left as it was."""
 
     name: str
     reason: str
@@ -140,6 +156,8 @@ class ConversionReport:
     left: List[LeftLayer] = field(default_factory=list)
     shapes_checked: bool = False
     warnings: List[str] = field(default_factory=list)
+    # blocks rewritten at module level (known structure, not traced), "name (class)"
+    rewritten: List[str] = field(default_factory=list)
 
     def counts(self) -> Dict[str, int]:
         """Number of layers per pattern, plus ``"left"``."""
@@ -151,9 +169,17 @@ class ConversionReport:
 
     def summary(self) -> str:
         c = self.counts()
-        parts = [f"{c[p]} {p}" for p in ("bn+add+act", "bn+act", "bn+add", "bn") if c.get(p)]
-        text = (f"converted {len(self.converted)} BatchNorm layers to InPlaceABN"
-                f"{' (' + ', '.join(parts) + ')' if parts else ''}; left {c['left']}")
+        pieces = []
+        for kind, norm, layer in (("bn", "BatchNorm", "InPlaceABN"), ("gn", "GroupNorm", "InPlaceAGN")):
+            patterns = [p for p in (f"{kind}+add+act", f"{kind}+act", f"{kind}+add", kind) if c.get(p)]
+            n = sum(c[p] for p in patterns)
+            if n or (kind == "bn" and not any(p.startswith("gn") for p in c)):
+                parts = ", ".join(f"{c[p]} {p}" for p in patterns)
+                pieces.append(f"{n} {norm} layers to {layer}{' (' + parts + ')' if parts else ''}")
+        text = f"converted {' and '.join(pieces)}; left {c['left']}"
+        if self.rewritten:
+            text += (f"; {len(self.rewritten)} blocks rewritten at module level "
+                     f"({', '.join(sorted(set(r[r.index(' (') + 2:-1] for r in self.rewritten)))})")
         small = sum(x.small_weights for x in self.converted)
         if small:
             text += f"; {small} channels had |weight| <= eps (scale set to +-eps)"
@@ -174,7 +200,7 @@ class ConversionReport:
             for x in self.left:
                 lines.append(f"  {x.name:<{w}}  {x.reason}")
         lines += [f"warning: {w}" for w in self.warnings]
-        if self.converted and not self.shapes_checked:
+        if any("add" in c.pattern for c in self.converted) and not self.shapes_checked:
             lines.append("(residual shapes were not checked: pass example_inputs to check them)")
         return "\n".join(lines)
 
@@ -194,7 +220,7 @@ def convert_model(
     concrete_args: Optional[Dict[str, Any]] = None,
     return_report: bool = False,
 ) -> Union[nn.Module, Tuple[nn.Module, ConversionReport]]:
-    """Rewrite BatchNorm (+ add) + activation chains of ``model`` as in-place layers.
+    """Rewrite BatchNorm / GroupNorm (+ add) + activation chains of ``model`` as in-place layers.
 
     See the module docstring for the patterns and the safety rules.
 
@@ -234,8 +260,10 @@ def convert_model(
     _activation.check(activation, activation_param)
     if not inplace:
         model = copy.deepcopy(model)
-    job = _Job(ConversionReport(), (activation, activation_param), residual, standalone,
-               _module_inputs(model, example_inputs) if example_inputs is not None else None)
+    job = _Job(ConversionReport(), (activation, activation_param), residual, standalone, None)
+    _rewrite_known_modules(model, job)
+    if example_inputs is not None:
+        job.inputs = _module_inputs(model, example_inputs, job.handled)
     result = _convert(model, "", tracer, concrete_args, example_inputs, job)
     logger.info("convert_model: %s", job.report.summary())
     if return_report:
@@ -253,11 +281,27 @@ class _Job:
     standalone: bool
     inputs: Optional[Dict[int, tuple]]  # id(module) -> its first inputs, with example_inputs
     done: Dict[int, nn.Module] = field(default_factory=dict)  # id(module) -> its conversion
+    handled: set = field(default_factory=set)  # ids of modules the module-level rewrite converted or left
     calls: Dict[int, int] = field(default_factory=dict)  # id(module) -> calls in all the graphs traced so far
 
 
-def _module_inputs(model: nn.Module, example_inputs) -> Dict[int, tuple]:
-    """The inputs (positional, in signature order) each module holding a BatchNorm
+def _rewrite_known_modules(model: nn.Module, job: _Job) -> None:
+    """Module-level rewrite of the blocks whose structure is known and which
+    torch.fx cannot trace (diffusers' ResnetBlock2D, UNet outputs: section 9.1
+    of docs/DESIGN.md). Only when diffusers is imported: a model holding its
+    blocks implies it, and this package never imports it otherwise."""
+    if "diffusers" in sys.modules:
+        try:
+            from . import _convert_diffusers
+        except ImportError as e:  # another diffusers layout: convert what fx can, and say so
+            job.report.warnings.append(f"diffusers blocks not rewritten (this diffusers has another layout: {e})")
+            logger.warning("convert_model: %s", job.report.warnings[-1])
+            return
+        _convert_diffusers.rewrite(model, job.relu_to, job.report, job.handled)
+
+
+def _module_inputs(model: nn.Module, example_inputs, skip: set) -> Dict[int, tuple]:
+    """The inputs (positional, in signature order) each module holding a norm
     receives at its first call in an eval-mode, no-grad run on the example
     inputs, for the modules converted on their own."""
     seen: Dict[int, tuple] = {}
@@ -276,7 +320,7 @@ def _module_inputs(model: nn.Module, example_inputs) -> Dict[int, tuple]:
             lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tuple(bound.arguments.values()))
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
-               if analysis.has_batchnorm(m) and not isinstance(m, nn.modules.batchnorm._BatchNorm)]
+               if analysis.has_norm(m, skip) and not analysis.is_norm(m)]
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
@@ -295,10 +339,12 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
     submodules converted one by one when its forward depends on the train/eval
     mode (or, below the top, cannot be traced)."""
     where = f"{qual} ({type(module).__name__})" if qual else f"the model ({type(module).__name__})"
+    if id(module) in job.handled or (job.handled and not analysis.has_norm(module, job.handled)):
+        return module  # rewritten at module level, or nothing left to convert after that
     try:
         graph, root, mode_dependent = analysis.trace(module, tracer, concrete_args)
     except Exception as e:
-        if not qual:
+        if not qual and not job.report.rewritten:
             raise
         return _convert_children(module, qual, job, f"{where} cannot be traced by torch.fx "
                                                     f"({type(e).__name__}: {e})")
@@ -322,11 +368,11 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
     else:
         safety = analysis.StaticSafety(dict(gm.named_modules()))
     _convert_graph(gm, safety, job, f"{qual}." if qual else "")
-    # Leaves holding BatchNorms (modules whose forward reads self.training, or a
+    # Leaves holding norms (modules whose forward reads self.training, or a
     # custom tracer's leaves) are converted on their own.
     for target in dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_module"):
         leaf = gm.get_submodule(target)
-        if isinstance(leaf, (ABN, nn.modules.batchnorm._BatchNorm)) or not analysis.has_batchnorm(leaf):
+        if isinstance(leaf, analysis.LAYER_TYPES) or analysis.is_norm(leaf) or not analysis.has_norm(leaf, job.handled):
             continue
         analysis.set_submodule(gm, target, _convert_once(leaf, f"{qual}.{target}" if qual else target, job))
     return gm
@@ -334,6 +380,8 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
 
 def _convert_once(module: nn.Module, qual: str, job: _Job) -> nn.Module:
     """`_convert` of a submodule, once per module object (a module registered twice stays one module)."""
+    if id(module) in job.handled:
+        return module  # rewritten (or left) at module level already
     if id(module) not in job.done:
         inputs = None if job.inputs is None else job.inputs.get(id(module))
         job.done[id(module)] = _convert(module, qual, None, None, inputs, job)
@@ -341,8 +389,8 @@ def _convert_once(module: nn.Module, qual: str, job: _Job) -> nn.Module:
 
 
 def _convert_children(module: nn.Module, qual: str, job: _Job, why: str) -> nn.Module:
-    """Keep ``module``'s own forward; convert each child holding BatchNorms on its
-    own, and leave (and report) the BatchNorms the forward calls directly."""
+    """Keep ``module``'s own forward; convert each child holding norms on its
+    own, and leave (and report) the norms the forward calls directly."""
     job.report.warnings.append(f"{why}: kept as it is, its submodules converted one by one")
     logger.warning("convert_model: %s", job.report.warnings[-1])
     _convert_members(module, qual, job, why)
@@ -350,17 +398,17 @@ def _convert_children(module: nn.Module, qual: str, job: _Job, why: str) -> nn.M
 
 
 def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_all: bool = False) -> None:
-    """Convert each child of ``module`` holding BatchNorms on its own; a child
+    """Convert each child of ``module`` holding norms on its own; a child
     whose submodules ``module``'s code uses directly (or, ``reach_all``, any
     child) is kept as it is too, its own children converted one by one."""
     reached = None if reach_all else analysis.reached_into(type(module))
     for name, child in module.named_children():
         child_qual = f"{qual}.{name}" if qual else name
-        if isinstance(child, ABN) or not analysis.has_batchnorm(child):
+        if isinstance(child, analysis.LAYER_TYPES) or not analysis.has_norm(child, job.handled):
             continue
         container = type(child).forward is nn.Module.forward  # ModuleList, ModuleDict: not called itself
         inside = reached is None or name in reached or (not container and f"{name}[]" in reached)
-        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+        if analysis.is_norm(child):
             job.report.left.append(LeftLayer(child_qual, f"called by a forward kept as Python code: {why}"))
         elif container:
             _convert_members(child, child_qual, job, why, reach_all=inside)
@@ -375,7 +423,7 @@ def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_al
 
 
 def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
-    """Replace each convertible BatchNorm call of ``gm`` (and what it fuses) by an
+    """Replace each convertible BatchNorm or GroupNorm call of ``gm`` (and what it fuses) by an
     in-place layer; ``prefix`` makes the reported names qualified in the model."""
     report = job.report
     modules = dict(gm.named_modules())
@@ -384,11 +432,11 @@ def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
         if n.op == "call_module":
             calls[n.target] = calls.get(n.target, 0) + 1
     for bn in list(gm.graph.nodes):
-        if bn.op == "call_function" and bn.target in (F.batch_norm, torch.batch_norm):
-            report.left.append(LeftLayer(prefix + bn.name,
-                                         "functional batch_norm (no module to hold an in-place layer)"))
+        if bn.op == "call_function" and bn.target in _FUNCTIONAL_NORMS:
+            report.left.append(LeftLayer(prefix + bn.name, f"functional {_FUNCTIONAL_NORMS[bn.target]} "
+                                                           "(no module to hold an in-place layer)"))
             continue
-        if bn.op != "call_module" or not isinstance(modules[bn.target], nn.modules.batchnorm._BatchNorm):
+        if bn.op != "call_module" or not analysis.is_norm(modules[bn.target]):
             continue
         target = bn.target
         if any(x.name == prefix + target for x in report.left):

@@ -74,3 +74,22 @@ def test_clear_errors(tmp_path):
                           (["--data-root", str(tmp_path / "missing")], "no such folder")):
         proc = subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_diffusion_unet_example_trains_both_models_alike(tmp_path):
+    pytest.importorskip("diffusers")
+    script = os.path.join(ROOT, "examples", "train_diffusion_unet.py")
+    log = tmp_path / "log.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, script, "--steps", "12", "--batch-size", "2", "--image-size", "32",
+                           "--lr", "3e-3", "--threads", "1", "--no-progress", "--log-json", str(log)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(log.read_text())
+    stock, conv = out["losses"]["stock"], out["losses"]["converted"]
+    assert len(stock) == len(conv) == 12
+    assert _falls(stock) and _falls(conv), (stock, conv)
+    # same weights, same batches: the two runs differ by float32 rounding only
+    assert all(abs(a - b) <= 0.05 * abs(a) for a, b in zip(stock, conv)), (stock, conv)
+    assert out["saved_mib"]["converted"] < 0.7 * out["saved_mib"]["stock"]
+    assert "converted / stock: saved memory" in proc.stdout and "InPlaceAGN" in proc.stdout
