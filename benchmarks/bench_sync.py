@@ -4,7 +4,7 @@ Measures forward + backward time per step of one layer (leaky_relu, float32)
 on W ranks, and the bytes each method hands to collectives per layer and step:
 
 - ``InPlaceABNSync``: this package (docs/DESIGN.md section 4): one float64
-  all_reduce of 7 + 2C + 1 values forward (a 7-value header that checks C and
+  all_reduce of 11 + 2C + 1 values forward (an 11-value header that checks C and
   the precision, then the statistics), one of 2C values (the sums' dtype)
   backward.
 - ``naive``: per-channel [sum x, sum x^2, count] all-reduced through autograd
@@ -158,7 +158,7 @@ def report(args, world, shape, layers, med, traffic):
     print("each rank hands to the collectives; 'sent': bytes each rank puts on the wire with ring")
     print("algorithms (all_reduce of B bytes: 2(W-1)/W B; all_gather of B bytes per rank: (W-1) B).")
     for c in (C, 1024):
-        ours = (7 + 2 * c + 1) * 8 + 2 * c * 4  # fwd float64 header + 2C+1, bwd 2C float32
+        ours = (11 + 2 * c + 1) * 8 + 2 * c * 4  # fwd float64 header + 2C+1, bwd 2C float32
         naive = (2 * c + 1) * 4 * 2  # fwd and bwd: 2C+1 float32
         gather = (2 * c + 1) * 4 + 2 * c * 4  # all_gather input per rank + backward all_reduce
         print(f"\nC={c}: payload per rank and step: InPlaceABNSync {ours} B, naive {naive} B (both fixed), "

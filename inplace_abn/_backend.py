@@ -22,7 +22,7 @@ except ImportError as e:  # extension not built: pure backend
     _native_error = e
 
 HAS_NATIVE = _native_error is None
-OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input")
+OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad")
 
 
 class _NativeOps:
@@ -123,12 +123,12 @@ def _register_fakes():
         return _activation.acc_dtype(t.dtype)
 
     @torch.library.register_fake("inplace_abn::batch_stats")
-    def _(x):
+    def _(x, running_mean=None, running_var=None, momentum=0.0):
         C = x.shape[1]
         return x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
 
     @torch.library.register_fake("inplace_abn::forward_")
-    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight):
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None):
         words = (x.numel() + 31) // 32 if activation == 3 else 0
         return x.new_empty(words, dtype=torch.int32)
 
@@ -139,15 +139,19 @@ def _register_fakes():
 
     @torch.library.register_fake("inplace_abn::backward_input")
     def _(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param,
-          signed_weight, residual_grad):
+          signed_weight, residual_grad, sums_scale=1.0):
         dx = torch.empty_like(y)
         dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
         return dx, dr
 
     @torch.library.register_fake("inplace_abn::backward_input_from_z_")
     def _(z, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param, signed_weight,
-          residual_grad):
+          residual_grad, sums_scale=1.0):
         return torch.empty_like(z) if residual_grad else z.new_empty(0)
+
+    @torch.library.register_fake("inplace_abn::weight_grad")
+    def _(sum_gz_xhat, weight, signed_weight):
+        return weight.new_empty(weight.shape)
 
 
 if HAS_NATIVE:

@@ -9,7 +9,8 @@ dtype that a rank chooses alone.
 Forward: one all_reduce(SUM), in float64, of a fixed header followed by a body
 of ``capacity`` values:
 
-    header  [1, c0, c0^2, c1, c1^2, p, p^2]     c0 + 2^16 c1 = C (C < 2^32),
+    header  [1, c0, c0^2, c1, c1^2, c2, c2^2, c3, c3^2, p, p^2]
+                                                C = c0 + 2^8 c1 + 2^16 c2 + 2^24 c3 (C < 2^32),
                                                 p = 1 (float32 sums: float16, bfloat16 or
                                                 float32 inputs, which may mix) or 2 (float64)
     body    [n_k, n_k (m_k - K), M2_k + n_k (m_k - K)^2, 0 ...]   2C + 1 values, zero-padded
@@ -17,13 +18,18 @@ of ``capacity`` values:
 ``capacity`` is a function of the group's agreed history only (below), so
 every rank hands in the same length. After the reduction every rank holds the
 same sums: the first entry is the number of ranks W, and ranks agree on a
-digit d exactly when W * sum(d^2) == (sum d)^2 (Cauchy-Schwarz; the sums are
-integers below W 2^32 < 2^53 for W < 2^21 ranks, hence exact, and compared as
-Python integers). When they
-disagree, every rank raises the same ValueError from the same reduced values:
-nobody goes on to another collective. When they agree, 2C + 1 is agreed: if it
-exceeded ``capacity`` (the body did not fit), every rank runs one more
-all_reduce of exactly 2C + 1 values with its body.
+digit d exactly when W * sum(d^2) == (sum d)^2 (Cauchy-Schwarz). The sums are
+integers below W 2^16 < 2^53, hence exact in float64, and the products below
+W^2 2^16 < 2^63 for W < 2^21 ranks, hence exact in int64: the verdict is
+computed on the device, never read on the host (no synchronisation), and
+checked with ``torch._assert_async``. Every rank evaluates the same verdict
+from the same numbers, so on disagreement every rank fails the same check at
+the same call: on the CPU (gloo) the check is synchronous and raises the same
+ValueError on every rank, before any other collective; on CUDA it is a
+device-side assert, which stops each rank's stream before the collectives
+queued after it run. When they agree, 2C + 1 is agreed: if it exceeded
+``capacity`` (the body did not fit), every rank runs one more all_reduce of
+exactly 2C + 1 values with its body.
 
 Capacity. Each agreed call appends its 2C + 1 to the group's history. The
 capacity of the next call is the largest 2C + 1 that ever followed the same
@@ -54,7 +60,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-HEADER = 7
+HEADER = 11
 CONTEXT = 8  # agreed lengths that key the capacity prediction
 MAX_CONTEXTS = 4096  # the table is cleared when it grows past this (on every rank alike)
 
@@ -102,8 +108,8 @@ def _precision(dtype: torch.dtype) -> int:
 def _header(C: int, precision: int):
     if not 0 <= C < 2 ** 32:
         raise ValueError(f"InPlaceABNSync: at most 2^32 - 1 channels, got {C}")
-    c0, c1 = C & 0xFFFF, C >> 16
-    return [1.0, c0, c0 * c0, c1, c1 * c1, precision, precision * precision]
+    digits = [(C >> (8 * i)) & 0xFF for i in range(4)] + [precision]
+    return [1.0] + [float(v) for d in digits for v in (d, d * d)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,32 +118,44 @@ def _header_tensor(C: int, precision: int, device: torch.device) -> torch.Tensor
     return torch.tensor(_header(C, precision), dtype=torch.float64, device=device)
 
 
-def _agree(W: int, s, ss) -> bool:
-    """All W values agree iff W * sum(v^2) == (sum v)^2 (integers, exact)."""
-    s, ss = int(s), int(ss)
-    return W * ss == s * s
+def _verdicts(head: torch.Tensor):
+    """(channels agree, precision agrees) as 0-dim bool tensors on head's device.
+
+    head: the reduced (HEADER,) float64 header. All W values of a digit agree iff
+    W * sum(d^2) == (sum d)^2, in int64: exact (see the module docstring)."""
+    h = head.to(torch.int64)
+    agree = h[0] * h[2::2] == h[1::2] * h[1::2]
+    return agree[:4].all(), agree[4]
 
 
-def _check(C: int, precision: int, head) -> None:
-    """Raise on every rank alike when the reduced header shows disagreement."""
-    W = int(head[0])
-    channels_ok = _agree(W, head[1], head[2]) and _agree(W, head[3], head[4])
-    if not channels_ok:
-        mean_c = (head[1] + 65536 * head[3]) / W
-        raise ValueError(
-            f"InPlaceABNSync: ranks disagree on the channel count (this rank has {C}, the mean over the "
-            f"{W} ranks is {mean_c:g}); every rank must feed the layer inputs with the same channels"
-        )
-    if not _agree(W, head[5], head[6]):
-        mine = "float64" if precision == 2 else "float32"
-        raise ValueError(
-            "InPlaceABNSync: ranks disagree on the input precision (some run float64, others a lower "
-            f"precision; this rank reduces in {mine}); every rank must use the same dtype"
-        )
+def assert_on_device(ok: torch.Tensor, message: str) -> None:
+    """Fail with ``message`` where the 0-dim bool ``ok`` is False, without reading it
+    on the host (``torch._assert_async``): on the CPU the check runs at once and
+    raises ValueError(message); on CUDA a failure is a device-side assert that
+    surfaces as a RuntimeError at the next synchronisation."""
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError as e:
+        if message not in str(e):
+            raise
+        raise ValueError(message) from None
+
+
+def _check(C: int, precision: int, head: torch.Tensor) -> None:
+    """Fail on every rank alike when the reduced header shows disagreement (channels first)."""
+    channels_ok, precision_ok = _verdicts(head)
+    assert_on_device(channels_ok, (
+        f"InPlaceABNSync: ranks disagree on the channel count (this rank has {C}); every rank must feed "
+        "the layer inputs with the same channels"))
+    mine = "float64" if precision == 2 else "float32"
+    assert_on_device(precision_ok, (
+        "InPlaceABNSync: ranks disagree on the input precision (some run float64, others a lower "
+        f"precision; this rank reduces in {mine}); every rank must use the same dtype"))
 
 
 def reduce_stats(mean, var, count: int, group, shift=None):
-    """Combine per-rank (count, mean, biased var) into the global ones: one all_reduce.
+    """Combine per-rank (count, mean, biased var) into the global ones: one all_reduce,
+    no host read (docs/DESIGN.md section 4).
 
     Args:
         mean, var: (C,) local statistics in the accumulation dtype (zeros when count == 0);
@@ -147,10 +165,12 @@ def reduce_stats(mean, var, count: int, group, shift=None):
         shift: (C,) shift K common to all ranks (the running mean), or None for 0.
             Non-finite entries are replaced by 0 (same on every rank).
     Returns:
-        (mean, var, count): global (C,) mean and biased var in mean's dtype, global count (int).
+        (mean, var, count): global (C,) mean and biased var in mean's dtype (zeros when the
+        global count is 0), and the global count as a 0-dim float64 tensor on mean's device
+        (an exact integer).
     Raises:
         ValueError, on every rank of the group together, when the ranks disagree on C or
-        on the precision.
+        on the precision (on CUDA: a device-side assert on every rank, see `assert_on_device`).
     """
     C = mean.numel()
     precision = _precision(mean.dtype)
@@ -169,31 +189,33 @@ def reduce_stats(mean, var, count: int, group, shift=None):
     fits = need <= cap
     packed = torch.cat([head, body if fits else body[:0], m.new_zeros(cap - need if fits else cap)])
     dist.all_reduce(packed, dist.ReduceOp.SUM, group=group)
-    got = packed[: HEADER + 1].tolist()  # the one host read of the forward
-    _check(C, precision, got)
-    state.record(need)
+    _check(C, precision, packed[:HEADER])
+    state.record(need)  # host-side: need and cap are agreed once the check holds
     if fits:
         sums = packed[HEADER : HEADER + need]
-        n_all = got[HEADER]
     else:  # agreed by every rank: C is verified and cap is common
         dist.all_reduce(body, dist.ReduceOp.SUM, group=group)
-        sums, n_all = body, body[0].item()
-    if n_all == 0:  # exact: counts are integers below 2^53
-        return mean.new_zeros(C), var.new_zeros(C), 0
-    s1, s2 = sums[1 : C + 1] / n_all, sums[C + 1 :] / n_all
-    g_mean = k + s1
+        sums = body
+    n_all = sums[0]
+    has = n_all > 0
+    n_safe = torch.where(has, n_all, 1.0)  # every rank empty: the sums are 0, so are s1, s2
+    s1, s2 = sums[1 : C + 1] / n_safe, sums[C + 1 :] / n_safe
+    g_mean = torch.where(has, k + s1, 0.0)
     g_var = (s2 - s1 * s1).clamp_(min=0)
-    return g_mean.to(mean.dtype), g_var.to(var.dtype), int(round(n_all))
+    return g_mean.to(mean.dtype), g_var.to(var.dtype), n_all
 
 
-def reduce_grad_sums(sum_gz, sum_gzx, group):
-    """Sum the per-channel S_g and S_gx over the group (one all_reduce, in their dtype).
+def reduce_grad_sums(sum_gz, sum_gzx, group, count=None):
+    """Sum the per-channel S_g and S_gx over the group (one all_reduce, in their dtype);
+    divided by ``count`` (the forward's global count, a device tensor) when given.
 
     Their length 2C and dtype are those the forward's `reduce_stats` verified on every rank
     (the sums come from the tensors the forward saved)."""
     C = sum_gz.numel()
     packed = torch.cat([sum_gz, sum_gzx])
     dist.all_reduce(packed, dist.ReduceOp.SUM, group=group)
+    if count is not None:
+        packed = packed / count
     return packed[:C], packed[C:]
 
 

@@ -1,4 +1,4 @@
-"""Pure-PyTorch backend: the four operators of ``src/ops.cpp`` written with
+"""Pure-PyTorch backend: the operators of ``src/ops/library.cpp`` written with
 torch ops, for devices without native kernels and for machines where the
 extension could not be built.
 
@@ -197,21 +197,49 @@ def deriv_act(y, z, act, p):
     return s * (1 + z * (1 - s))
 
 
-# ---- the four operators ----------------------------------------------------
+# ---- the operators ---------------------------------------------------------
 
 
-def batch_stats(x):
+def move_running(r, s, factor, m, keep=None):
+    """r <- (1 - m) r + m (s factor), in float64, rounded to r's dtype: the formula of the
+    native batch_stats (src/ops/batch_stats.cpp), so both give the same bits. ``factor``
+    may be a device tensor; where the 0-dim bool ``keep`` is True, r is left as it is."""
+    new = r.double() * (1.0 - m) + (s.double() * factor) * m
+    if keep is not None:
+        new = torch.where(keep, r, new)
+    r.copy_(new)
+
+
+def batch_stats(x, running_mean=None, running_var=None, momentum=0.0):
     acc = acc_dtype(x.dtype)
     C = x.shape[1]
-    if x.numel() == 0:
+    if x.numel() == 0:  # n = 0: the running statistics stay as they are
         z = torch.zeros(C, dtype=acc, device=x.device)
         return z, z.clone()
+    n = x.numel() // C
+    if (running_mean is not None or running_var is not None) and n <= 1:
+        raise RuntimeError(f"inplace_abn: expected more than 1 value per channel when training, got {n}")
     dims = [0] + list(range(2, x.dim()))
     var, mean = torch.var_mean(x.double(), dim=dims, correction=0)  # float64: robust on any batch
-    return mean.to(acc), var.to(acc)
+    mean, var = mean.to(acc), var.to(acc)
+    with torch.no_grad():
+        if running_mean is not None:
+            move_running(running_mean, mean, 1.0, momentum)
+        if running_var is not None:
+            move_running(running_var, var, n / (n - 1), momentum)
+    return mean, var
 
 
-def forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
+def weight_grad(sum_gz_xhat, weight, signed):
+    """dweight = S_gx dg~/dweight: sign(weight) (abs mode) or 1 (signed), in weight's dtype."""
+    if signed:
+        return sum_gz_xhat.to(weight.dtype, copy=True)
+    return (sum_gz_xhat * torch.sign(weight.detach().to(sum_gz_xhat.dtype))).to(weight.dtype)
+
+
+def forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, z_out=None):
+    if z_out is not None and act != A.IDENTITY:
+        raise RuntimeError(f"inplace_abn: z_out is the ReLU path and needs activation 0 (identity), got {act}")
     acc = acc_dtype(x.dtype)
     C, nd = x.shape[1], x.dim()
     g, b = _coefficients(weight, bias, eps, signed, C, acc, x.device)
@@ -225,7 +253,11 @@ def forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
         mask = pack_bits(z < SILU_ZSTAR)
     else:
         mask = torch.empty(0, dtype=torch.int32, device=x.device)
-    x.copy_(forward_act(z, act, p))
+    if z_out is not None:  # ReLU (identity code): z kept for backward, max(z, 0) into x
+        z_out.copy_(z)
+        x.copy_(torch.relu(z))
+    else:
+        x.copy_(forward_act(z, act, p))
     return mask
 
 
@@ -270,12 +302,21 @@ def backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed):
     return gz.sum(dims, dtype=torch.float64).to(fp.dtype), (gz * xhat).sum(dims, dtype=torch.float64).to(fp.dtype)
 
 
-def backward_input(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, act, p, signed, residual_grad):
+def _scaled(v, k, dtype):
+    """k v in ``dtype`` (k = 0: zeros, whatever v holds; k = 1: v itself)."""
+    if k == 0.0:
+        return torch.zeros(v.shape, dtype=dtype, device=v.device)
+    return v.to(dtype) if k == 1.0 else (v.double() * k).to(dtype)
+
+
+def backward_input(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, act, p, signed, residual_grad,
+                   sums_scale=1.0):
     fp, xhat, g = _recompute(y, mask, weight, bias, residual, eps, act, p, signed)
     nd = y.dim()
     gz = dy.to(fp.dtype) * fp
     scale = g * torch.rsqrt(var.to(fp.dtype) + eps)
-    dx = _per_channel(scale, nd) * (gz - _per_channel(mean_gz.to(fp.dtype), nd) - xhat * _per_channel(mean_gzx.to(fp.dtype), nd))
+    mean_gz, mean_gzx = _scaled(mean_gz, sums_scale, fp.dtype), _scaled(mean_gzx, sums_scale, fp.dtype)
+    dx = _per_channel(scale, nd) * (gz - _per_channel(mean_gz, nd) - xhat * _per_channel(mean_gzx, nd))
     dx = dx.to(y.dtype)
     dr = gz.to(y.dtype) if residual_grad else torch.empty(0, dtype=y.dtype, device=y.device)
     return dx, dr

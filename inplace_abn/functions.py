@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import _activation, _backend, _distributed
+from . import _activation, _backend, _distributed, _pure
 
 WEIGHT_MODES = ("abs", "signed")
 
@@ -35,25 +35,45 @@ def _like_layout(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=fmt)
 
 
+def _count_message(count, shape, synced):
+    return (f"Expected more than 1 value per channel when training, got {count} "
+            f"(input size {list(shape)}{' summed over the process group' if synced else ''})")
+
+
+def check_count(count: int, shape) -> None:
+    """Training needs more than one value per channel; count 0 (an empty batch) is allowed
+    and leaves the running statistics as they are, as torch.nn.BatchNorm does."""
+    if count == 1:
+        raise ValueError(_count_message(count, shape, False))
+
+
 def update_running_stats(mean, var, count, running_mean, running_var, momentum, shape, synced):
     """Check that training has more than one value per channel (``count``, over
     the group when ``synced``), then move the running statistics towards the
-    batch mean and unbiased variance, as torch.nn.BatchNorm does.
+    batch mean and unbiased variance, as torch.nn.BatchNorm does (in float64:
+    the formula of the native batch_stats, which does this for the local layer).
+
+    ``count`` is an int, checked on the host, or (synchronised layers) the global
+    count as a 0-dim float64 tensor, which stays on the device: the check is a
+    device assert that every rank evaluates alike, the unbiased factor and the
+    empty-batch case are computed with torch.where.
 
     An empty batch (count 0) leaves them as they are, as torch.nn.BatchNorm
     does (it returns an empty output and zero parameter gradients)."""
-    if count == 0:
-        return
-    if count <= 1:
-        raise ValueError(
-            f"Expected more than 1 value per channel when training, got {count} "
-            f"(input size {list(shape)}{' summed over the process group' if synced else ''})"
-        )
-    if running_mean is not None:
-        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-    if running_var is not None:
-        unbiased = var * (count / (count - 1))
-        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    if isinstance(count, torch.Tensor):
+        # counts are integers >= 0, so "n <= 1 and n != 0" is n == 1
+        _distributed.assert_on_device(count != 1, _count_message(1, shape, synced))
+        keep, factor = count == 0, torch.where(count > 1, count / (count - 1), 0.0)
+    else:
+        if count == 0:
+            return
+        check_count(count, shape)
+        keep, factor = None, count / (count - 1)
+    with torch.no_grad():
+        if running_mean is not None:
+            _pure.move_running(running_mean, mean, 1.0, momentum, keep)
+        if running_var is not None:
+            _pure.move_running(running_var, var, factor, momentum, keep)
 
 
 # ---- shared by every in-place layer (BatchNorm here, GroupNorm in groupnorm.py) ----
@@ -76,17 +96,22 @@ def _prepare(x, residual):
     return work, residual
 
 
-def _write(x, work, residual, invertible, forward_):
+def _write(x, work, residual, invertible, forward_, forward_relu=None):
     """Run ``forward_(target, residual) -> mask`` so that x ends up holding y;
     returns (the tensor to save for backward, the mask).
 
     Non-invertible activations (ReLU) lose the negative values the backward
-    needs: the normalisation runs on a copy in the accumulation dtype (so
-    half inputs lose nothing; no memory saving), which is saved, and the
-    activation is applied to x afterwards."""
+    needs, so z is kept, in the accumulation dtype (half inputs lose nothing;
+    no memory saving), and saved. With ``forward_relu(target, residual, z_out)
+    -> mask`` (an operator that writes z into z_out and max(z, 0) into the
+    target in one pass) that costs one extra write; without it the
+    normalisation runs on a copy and the activation is applied to x afterwards."""
     if invertible:
         mask = forward_(work, residual)
         saved_y = work
+    elif forward_relu is not None:
+        saved_y = torch.empty_like(work, dtype=_activation.acc_dtype(x.dtype))  # (keeps work's layout)
+        mask = forward_relu(work, residual, saved_y)
     else:
         saved_y = work.to(_activation.acc_dtype(x.dtype), copy=True)
         mask = forward_(saved_y, None if residual is None else residual.to(saved_y.dtype))
@@ -111,18 +136,24 @@ def _refuse_double_backward(op, twin):
 
 
 def _output_grad(dy, y, invertible):
-    """dy in y's layout; for a non-invertible activation (y holds z) times the ReLU derivative."""
+    """dy in y's layout; for a non-invertible activation (y holds z) times the ReLU derivative
+    (ReLU's own backward kernel: one pass over dy and z, no mask tensor)."""
     dy = _like_layout(dy, y)
-    return dy if invertible else dy.to(y.dtype) * (y > 0)
+    return dy if invertible else torch.ops.aten.threshold_backward(dy.to(y.dtype), y, 0)
 
 
-def _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b):
-    """dweight = S_gx dg~/dweight, dbias = S_g (per channel; docs/DESIGN.md section 2)."""
+def _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b, weight_grad=None):
+    """dweight = S_gx dg~/dweight, dbias = S_g (per channel; docs/DESIGN.md section 2).
+
+    ``weight_grad``: the operator that computes dweight in one call (abs mode), else torch ops."""
     dweight = dbias = None
     if weight is not None and need_w:
-        w = weight.to(sum_gzx.dtype)
-        factor = torch.ones_like(w) if signed else torch.sign(w)
-        dweight = (sum_gzx * factor).to(weight.dtype)
+        if signed:
+            dweight = sum_gzx.to(weight.dtype)
+        elif weight_grad is not None:
+            dweight = weight_grad(sum_gzx, weight, False)
+        else:
+            dweight = (sum_gzx * torch.sign(weight.to(sum_gzx.dtype))).to(weight.dtype)
     if bias is not None and need_b:
         dbias = sum_gz.to(bias.dtype)
     return dweight, dbias
@@ -197,16 +228,31 @@ class _InPlaceABNFunction(torch.autograd.Function):
         local_count = x.numel() // C if C else 0
 
         if training:
-            mean, var = ops.batch_stats(work)
             count = local_count
-            if group is not None:
-                mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
-            update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape, group is not None)
+            if group is None and not torch.compiler.is_compiling():
+                # the running-statistics update runs inside batch_stats (one call)
+                check_count(count, x.shape)
+                mean, var = ops.batch_stats(work, running_mean, running_var, momentum)
+            else:
+                # synchronised: the global count, a device tensor (docs/DESIGN.md section 4).
+                # Compiled: momentum may be a symbolic float (momentum=None reads
+                # num_batches_tracked), which the float argument cannot take; the
+                # compiler fuses the update's few element-wise ops anyway.
+                mean, var = ops.batch_stats(work)
+                if group is not None:
+                    mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
+                update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape,
+                                     group is not None)
         else:
-            mean, var, count = running_mean, running_var.clone(), local_count
+            # var is saved for backward: a copy, so that a later update of the running
+            # statistics cannot change it; no backward, no copy
+            mean, count = running_mean, local_count
+            var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()
 
-        saved_y, mask = _write(x, work, residual, invertible, lambda t, r: ops.forward_(
-            t, mean, var, weight, bias, r, eps, act, activation_param, signed))
+        saved_y, mask = _write(
+            x, work, residual, invertible,
+            lambda t, r: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed),
+            lambda t, r, z: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed, z))
 
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype, backend)
@@ -228,34 +274,44 @@ class _InPlaceABNFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[5]
 
-        # SiLU on the CPU: the first pass keeps z, the second starts from it (docs/DESIGN.md section 7.2)
-        z = torch.empty_like(y) if need_x and _backend.keeps_z(ops, y, act) else None
-        if z is None:
-            sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
-        else:
-            sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z)
+        need_wb = (weight is not None and need_w) or (bias is not None and need_b)
+        synced = training and group is not None
+        # The sums feed dweight, dbias and, in training, dx; in eval mode with frozen
+        # parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
+        reduce = need_wb or (training and (need_x or need_r)) or synced
+        # SiLU on the CPU: the reduce pass keeps z, the input pass starts from it
+        # (docs/DESIGN.md section 7.2)
+        z = torch.empty_like(y) if reduce and need_x and _backend.keeps_z(ops, y, act) else None
+        if reduce:
+            extra = () if z is None else (z,)
+            sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, *extra)
         dx = dr = None
         if need_x or need_r:
-            if training:
-                g_gz, g_gzx = (sum_gz, sum_gzx)
-                if group is not None:
-                    g_gz, g_gzx = _distributed.reduce_grad_sums(sum_gz, sum_gzx, group)
-                mean_gz, mean_gzx = g_gz / count, g_gzx / count
-            else:
-                mean_gz, mean_gzx = torch.zeros_like(sum_gz), torch.zeros_like(sum_gzx)
+            if synced:
+                g_gz, g_gzx = _distributed.reduce_grad_sums(sum_gz, sum_gzx, group, count)
+                scale = 1.0
+            elif training and not torch.compiler.is_compiling():  # the kernel scales the raw sums by 1/n
+                g_gz, g_gzx, scale = sum_gz, sum_gzx, (1.0 / count if count else 0.0)
+            elif training:  # compiled: a float argument would specialise the graph on the (symbolic) count
+                g_gz, g_gzx, scale = sum_gz / count, sum_gzx / count, 1.0
+            else:  # eval: the statistics are constants; scale 0 drops these (any (C,) tensor)
+                g_gz = g_gzx = var
+                scale = 0.0
             if z is None:
-                dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, act,
-                                            p, signed, need_r)
+                dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, g_gz, g_gzx, eps, act, p,
+                                            signed, need_r, scale)
             else:
-                dx, dr = z, ops.backward_input_from_z_(z, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps,
-                                                       act, p, signed, need_r)
+                dx, dr = z, ops.backward_input_from_z_(z, dy, var, weight, bias, residual, g_gz, g_gzx, eps, act,
+                                                       p, signed, need_r, scale)
             dx = dx.to(dtype) if need_x else None
             dr = dr.to(dtype) if need_r else None
-        elif training and group is not None:
+        elif synced:
             # Every rank must take part in the collective, needed or not.
             _distributed.reduce_grad_sums(sum_gz, sum_gzx, group)
 
-        dweight, dbias = _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b)
+        dweight = dbias = None
+        if need_wb:
+            dweight, dbias = _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b, ops.weight_grad)
         return dx, dweight, dbias, None, None, dr, None, None, None, None, None, None, None
 
 
@@ -502,7 +558,7 @@ def inplace_abn_sync(
     it falls back to `inplace_abn` with a single warning.
 
     Communication (docs/DESIGN.md section 4), whatever the world size: in
-    training, one float64 all_reduce per forward of a 7-value header plus the
+    training, one float64 all_reduce per forward of an 11-value header plus the
     statistics (2C + 1 values, zero-padded to a length every rank agrees on;
     while the group learns its layers' lengths, a call may add one more), and
     one all_reduce of 2C values (float64 for float64 inputs, else float32) per
@@ -523,8 +579,14 @@ def inplace_abn_sync(
 
     Under torch.compile a synchronised training call is one graph break (it
     runs eagerly, the rest of the model stays compiled; torch.nn.SyncBatchNorm
-    breaks there too): its collectives need host-side values, see
-    ``_apply_synced``. Eval mode compiles with fullgraph=True.
+    breaks there too): its collectives run eagerly, see ``_apply_synced``.
+    Eval mode compiles with fullgraph=True.
+
+    The forward reads nothing back to the host (no synchronisation with the
+    device): the channel, precision and count checks are device asserts
+    (``torch._assert_async``), raised as ValueError on the CPU; on CUDA a
+    failure is a device-side assert, reported at the next synchronisation, on
+    every rank.
     """
     global _warned_no_dist
     if not (dist.is_available() and dist.is_initialized()):
@@ -548,12 +610,12 @@ def inplace_abn_sync(
 
 # torch.compile: a synchronised training call runs eagerly, as one unit (one
 # graph break per layer; the rest of the model stays compiled). Its collectives
-# need host values (the global count for the n <= 1 check and the running
-# variance, the channel/precision header), which a graph cannot hold; tracing
-# into it would only split it into many small graphs. Eval mode and calls
-# without a process group are traced as usual (no graph break).
+# are in-place all_reduces whose lengths come from the group's host-side
+# length history (docs/DESIGN.md section 4); tracing into it would only split
+# it into many small graphs. It reads nothing back from the device. Eval mode
+# and calls without a process group are traced as usual (no graph break).
 _apply_synced = torch.compiler.disable(
-    _apply, reason="InPlaceABNSync: statistics all_reduce needs host-side values (global count, channel/precision header)")
+    _apply, reason="InPlaceABNSync: statistics all_reduce with lengths from the group's host-side history")
 
 
 __all__ = ["inplace_abn", "inplace_abn_sync"]

@@ -29,6 +29,7 @@ from inplace_abn import ABN, InPlaceABN, InPlaceABNSync, convert_sync
 from inplace_abn.functions import inplace_abn_sync
 from inplace_abn.sync import ABNSync
 from collectives import CountCollectives
+from host_reads import HostReads
 from reference import stock
 
 WORLD = 4
@@ -437,7 +438,7 @@ def _channel_mismatch(rank, group):
 
 
 def _protocol(rank, group):
-    """Collectives per step: forward 1 (the 7-value header and 2C + 1 float64), backward 1
+    """Collectives per step: forward 1 (the 11-value header and 2C + 1 float64), backward 1
     (2C in the sums' dtype); the group's first call sends the header alone, then the 2C + 1."""
     from inplace_abn import _distributed
 
@@ -462,6 +463,37 @@ def _protocol(rank, group):
 
 scenario("protocol-w2", 2)(_protocol)
 scenario("protocol-w4", WORLD)(_protocol)
+
+
+@scenario("no-host-sync", 2)
+def _no_host_sync(rank, group):
+    """A synchronised training step reads nothing back to the host (docs/DESIGN.md section 4):
+    InPlaceABNSync (module and functional, with an empty rank and a body that outgrows the
+    capacity, i.e. the extra all_reduce) and ABNSync, forward and backward. Reports what
+    HostReads saw and how many device asserts the forwards issued."""
+    from inplace_abn import _distributed
+
+    _distributed.forget(dist.group.WORLD if group is None else group)
+    out = {}
+    makers = {"InPlaceABNSync": lambda C: InPlaceABNSync(C, group=group, activation="leaky_relu"),
+              "ABNSync": lambda C: ABNSync(C, group=group)}
+    for name, make in makers.items():
+        for C in (3, 9):  # the larger C after the smaller: the body does not fit, one more all_reduce
+            layer = make(C)
+            n = 0 if rank == 1 else 4  # an empty rank takes part all the same
+            x0 = torch.randn(n, C, 3, 2, requires_grad=True)
+            x = x0.clone()
+            with HostReads() as fwd:
+                y = layer(x)
+            with HostReads() as bwd:
+                y.backward(torch.randn_like(y))
+            out[f"{name}-{C}"] = dict(forward=fwd.reads, backward=bwd.reads,
+                                      asserts=sum("_assert_async" in o for o in fwd.ops))
+    x = torch.randn(3, 4, 5)
+    with HostReads() as fn:
+        inplace_abn_sync(x, None, None, torch.zeros(4), torch.ones(4), True, group=group)
+    out["functional"] = dict(forward=fn.reads, backward=[], asserts=sum("_assert_async" in o for o in fn.ops))
+    return dict(cases=out)
 
 
 # ---- ranks that disagree on C or on the precision, at any call (suite "mismatch") -----------

@@ -1,5 +1,7 @@
 """The core test matrix on the GPU (skipped cleanly without one): CUDA kernels
 against stock float64 BatchNorm + activation, and CPU-vs-GPU agreement."""
+import warnings
+
 import pytest
 import torch
 
@@ -112,3 +114,27 @@ def test_cuda_groupnorm_matches_float64_reference(activation, layout, dtype):
 def test_cuda_groupnorm_runs_native_kernels():
     for name in ("gn_stats", "gn_forward_", "gn_backward_reduce", "gn_backward_input"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{name}", "CUDA"), name
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("training", [True, False])
+def test_cuda_relu_one_pass_and_eval_agree_with_cpu(fmt, training):
+    """The ReLU path (forward_ with z_out, the CUDA kernel's z store), the running-statistics
+    update inside batch_stats, weight_grad and the eval backward (sums_scale 0) match the CPU."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(4, 6, 5, 7, generator=g) * 2 + 1).contiguous(memory_format=fmt)
+    dy = torch.randn(x.shape, generator=g).contiguous(memory_format=fmt)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        layer = inplace_abn.InPlaceABN(6, activation="relu").to(dev).train(training)
+        with torch.no_grad():
+            layer.running_var.fill_(1.5)
+        x0 = x.to(dev).requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (relu is not invertible: warned once)
+            y = layer(x0.clone())
+        y.backward(dy.to(dev))
+        out[dev] = [t.detach().cpu() for t in (y, x0.grad, layer.weight.grad, layer.bias.grad, layer.running_mean,
+                                              layer.running_var)]
+    for a, b in zip(out["cpu"], out["cuda"]):
+        assert rel_err(b, a) < 2e-5

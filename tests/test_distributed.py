@@ -130,18 +130,33 @@ def test_one_collective_per_forward_and_backward(runs, world):
     for rank, rep in got.items():
         for dt, steps in rep["steps"].items():
             sums = "torch.float64" if dt == "torch.float64" else "torch.float32"
-            # header (7 values) + statistics (2C + 1) in one all_reduce; the group's very first
+            # header (11 values) + statistics (2C + 1) in one all_reduce; the group's very first
             # call (float32, step 0) had no agreed length yet: the header alone, then the 2C + 1
-            stats = [["all_reduce", 7 + 2 * C + 1, "torch.float64"]]
+            H = inplace_abn._distributed.HEADER
+            assert H == 11
+            stats = [["all_reduce", H + 2 * C + 1, "torch.float64"]]
             for i, s in enumerate(steps):
                 if dt == "torch.float32" and i == 0:
-                    assert s["forward"] == [["all_reduce", 7, "torch.float64"],
+                    assert s["forward"] == [["all_reduce", H, "torch.float64"],
                                             ["all_reduce", 2 * C + 1, "torch.float64"]], (rank, s)
                 else:
                     assert s["forward"] == stats, (rank, dt, s)
                 assert s["backward"] == [["all_reduce", 2 * C, sums]], (rank, dt, s)
             if rank == 1:
                 assert steps[0]["dx_shape"][0] == 0  # the empty rank gets an empty gradient
+
+
+def test_synchronised_step_reads_nothing_to_the_host(runs):
+    """No .item() / .tolist() / bool() / int() / float() (nor aten._local_scalar_dense) in a
+    synchronised forward or backward: the agreement and count checks are device asserts
+    (channels, precision, n != 1: three per forward), the global count stays a tensor."""
+    got = reports(runs, "no-host-sync", 2)
+    for rank, rep in got.items():
+        assert sorted(rep["cases"]) == ["ABNSync-3", "ABNSync-9", "InPlaceABNSync-3", "InPlaceABNSync-9",
+                                        "functional"], rep
+        for case, r in rep["cases"].items():
+            assert r["forward"] == [] and r["backward"] == [], (rank, case, r)
+            assert r["asserts"] == 3, (rank, case, r)
 
 
 def test_global_count_of_one_raises_on_every_rank(runs):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import inplace_abn
-from inplace_abn import _activation
+from inplace_abn import _activation, _pure
 
 pytestmark = pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
 
@@ -123,3 +123,74 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
             layer(x0 * 1).sum().backward()
         assert (op + "_from_z_" in calls.names) == kept, calls.names
         assert (op in calls.names) == (not kept), calls.names
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_folded_arguments(fmt, dtype):
+    """The optional arguments that fold per-channel work into the operators: batch_stats
+    updating running statistics (mutated, declared Tensor(a!)?), forward_ writing z to
+    z_out (the ReLU path, declared Tensor(b!)?), backward_input's sums_scale, and weight_grad."""
+    ops = torch.ops.inplace_abn
+    x, _, _, w, b, r, _ = _args(_activation.IDENTITY, fmt, True, dtype=dtype)
+    rm, rv = torch.randn(x.shape[1]), torch.rand(x.shape[1]) + 0.5
+    torch.library.opcheck(ops.batch_stats.default, (x, rm, rv, 0.1))
+    torch.library.opcheck(ops.batch_stats.default, (x, None, rv.double(), 0.3))
+    mean, var = ops.batch_stats(x)
+    z = torch.empty_like(x, dtype=_activation.acc_dtype(dtype))
+    torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, 0, 0.0, False, z))
+    y = x.clone()
+    ops.forward_(y, mean, var, w, b, r, 1e-5, 0, 0.0, False, z)
+    dy = torch.randn_like(z)
+    mask = torch.empty(0, dtype=torch.int32)
+    s_g, s_gx = ops.backward_reduce(z, dy, mask, w, b, r.float(), 1e-5, 0, 0.0, False)
+    for k in (1.0 / 7, 0.0):
+        torch.library.opcheck(ops.backward_input.default,
+                              (z, dy, mask, var, w, b, r.float(), s_g, s_gx, 1e-5, 0, 0.0, False, True, k))
+    for signed in (False, True):
+        torch.library.opcheck(ops.weight_grad.default, (s_gx, w.double(), signed))
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_folded_arguments_compute_what_they_replace(backend):
+    """batch_stats' running update = torch.nn.BatchNorm's; z_out = the identity forward and
+    x = relu(z); sums_scale k = passing k * sums; weight_grad = S_gx sign(w); against float64
+    references computed with plain torch, for both backends."""
+    ops = torch.ops.inplace_abn if backend == "native" else _pure
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5, 4, 3, generator=g, dtype=torch.float64) * 2 + 1
+    rm, rv = torch.randn(5, generator=g, dtype=torch.float64), torch.rand(5, generator=g, dtype=torch.float64) + .5
+    rm0, rv0 = rm.clone(), rv.clone()
+    mean, var = ops.batch_stats(x, rm, rv, 0.3)
+    n = x.numel() // 5
+    ref_var, ref_mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+    assert torch.allclose(rm, 0.7 * rm0 + 0.3 * ref_mean, rtol=1e-14, atol=1e-14)
+    assert torch.allclose(rv, 0.7 * rv0 + 0.3 * ref_var * n / (n - 1), rtol=1e-14, atol=1e-14)
+    with pytest.raises(RuntimeError, match="more than 1 value per channel"):
+        ops.batch_stats(x[:1, :, :1, :1].contiguous(), rm, rv, 0.1)
+    empty = x[:0]
+    before = rm.clone()
+    ops.batch_stats(empty, rm, rv, 0.1)
+    assert torch.equal(rm, before)
+
+    w, b = torch.randn(5, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)
+    w[1] = 0.0
+    z, y, y_id = torch.empty_like(x), x.clone(), x.clone()
+    ops.forward_(y, mean, var, w, b, None, 1e-5, 0, 0.0, False, z)
+    ops.forward_(y_id, mean, var, w, b, None, 1e-5, 0, 0.0, False)
+    assert torch.equal(z, y_id) and torch.equal(y, torch.relu(y_id))
+    with pytest.raises(RuntimeError, match="z_out is the ReLU path"):
+        ops.forward_(x.clone(), mean, var, w, b, None, 1e-5, 1, 0.1, False, z)
+
+    dy = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    mask = torch.empty(0, dtype=torch.int32)
+    s_g, s_gx = ops.backward_reduce(y_id, dy, mask, w, b, None, 1e-5, 0, 0.0, False)
+    dx_k, _ = ops.backward_input(y_id, dy, mask, var, w, b, None, s_g, s_gx, 1e-5, 0, 0.0, False, False, 1.0 / n)
+    dx_m, _ = ops.backward_input(y_id, dy, mask, var, w, b, None, s_g / n, s_gx / n, 1e-5, 0, 0.0, False, False)
+    assert torch.allclose(dx_k, dx_m, rtol=1e-13, atol=1e-15)
+    inf = torch.full_like(s_g, float("inf"))  # k = 0 ignores the sums, whatever they hold
+    dx_0, _ = ops.backward_input(y_id, dy, mask, var, w, b, None, inf, inf, 1e-5, 0, 0.0, False, False, 0.0)
+    dx_z, _ = ops.backward_input(y_id, dy, mask, var, w, b, None, s_g * 0, s_g * 0, 1e-5, 0, 0.0, False, False)
+    assert torch.equal(dx_0, dx_z)
+    assert torch.equal(ops.weight_grad(s_gx, w, False), s_gx * torch.sign(w))
+    assert torch.equal(ops.weight_grad(s_gx, w.float(), True), s_gx.float())

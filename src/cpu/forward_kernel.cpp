@@ -1,5 +1,6 @@
 // forward_ on the CPU: x <- f((x - mean_hi - mean_lo) scale + shift [+ residual]), in place;
-// SiLU: the branch bits [z < z*] in memory order.
+// SiLU: the branch bits [z < z*] in memory order. ZOUT (ReLU, with identity):
+// z into out1 (the compute type), max(z, 0) into x.
 #include "cpu/kernel_utils.h"
 
 namespace inplace_abn {
@@ -7,7 +8,7 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename S, Act A, bool RES>
+template <typename S, Act A, bool RES, bool ZOUT>
 void forward_t(const KernelArgs& a) {
   using io = IO<S>;
   using F = typename io::F;
@@ -19,6 +20,7 @@ void forward_t(const KernelArgs& a) {
   S* x = a.x.data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   int32_t* mask = MASK ? a.mask.data_ptr<int32_t>() : nullptr;
+  F* zout = ZOUT ? a.out1.data_ptr<F>() : nullptr;
   const V p(static_cast<F>(a.param));
   // Tasks start on mask-word boundaries so that no two write the same word.
   at::parallel_for(0, (g.numel + 31) / 32, kGrain / 32, [&](int64_t w0, int64_t w1) {
@@ -27,13 +29,22 @@ void forward_t(const KernelArgs& a) {
     S* const x_ = x;
     const S* const res_ = res;
     const V p_ = p;
+    F* const zout_ = zout;
     BitWriter bw(MASK ? mask + w0 : nullptr);
     for_each_vector(g, cr, w0 * 32, std::min(w1 * 32, g.numel), [&](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
       constexpr bool FULL = decltype(full)::value;
       V z = at::vec::fmadd((io::template ld<FULL>(x_ + i, cnt) - co.get(kFwdMeanHi, j)) - co.get(kFwdMeanLo, j),
                            co.get(kFwdScale, j), co.get(kFwdShift, j));
       if constexpr (RES) z = z + io::template ld<FULL>(res_ + i, cnt);
-      io::template st<FULL>(x_ + i, Ac::forward(z, p_), cnt);
+      if constexpr (ZOUT) {
+        if constexpr (FULL)
+          z.store(zout_ + i);
+        else
+          z.store(zout_ + i, cnt);
+        io::template st<FULL>(x_ + i, at::vec::clamp_min(z, V(F(0))), cnt);  // NaN stays NaN, as torch.relu
+      } else {
+        io::template st<FULL>(x_ + i, Ac::forward(z, p_), cnt);
+      }
       if constexpr (MASK) {  // Silu::branch(z) = [z < z*], one compare
         const uint32_t bits = lt_bits(z, V(static_cast<F>(kSiluZStar)));
         bw.put(FULL ? bits : bits & low_bits(cnt), cnt);
@@ -44,7 +55,12 @@ void forward_t(const KernelArgs& a) {
 }
 
 void forward_kernel(const KernelArgs& a) {
-  dispatch(a, [&](auto s, auto act, auto res) { forward_t<decltype(s), decltype(act)::value, decltype(res)::value>(a); });
+  dispatch(a, [&](auto s, auto act, auto res) {
+    constexpr Act A = decltype(act)::value;
+    if constexpr (A == Act::Identity)  // the ReLU path exists for the identity only
+      if (a.out1.defined()) return forward_t<decltype(s), A, decltype(res)::value, true>(a);
+    forward_t<decltype(s), A, decltype(res)::value, false>(a);
+  });
 }
 
 }  // namespace

@@ -20,9 +20,10 @@ void forward_kernel_cuda(const KernelArgs& a) {
     const EwConfig cfg = ew_config(g.numel, vec ? KV : 1, g, sms);
     const dim3 grid(static_cast<unsigned>(cfg.blocks)), block(cfg.threads);
     const acc_t param = static_cast<acc_t>(a.param);
+    acc_t* zp = a.out1.defined() ? a.out1.mutable_data_ptr<acc_t>() : nullptr;  // ReLU path
     dispatch_act(a.act, [&](auto tag) {
       constexpr Act A = decltype(tag)::value;
-      auto go = [&](auto kernel) { launch(kernel, grid, block, xp, rp, mp, cp, param, g.numel, g.inner(), g.C); };
+      auto go = [&](auto kernel) { launch(kernel, grid, block, xp, rp, mp, cp, param, g.numel, g.inner(), g.C, zp); };
       if (vec)
         cfg.fixed ? go(&forward_kernel<scalar_t, acc_t, A, KV, true>) : go(&forward_kernel<scalar_t, acc_t, A, KV, false>);
       else

@@ -191,7 +191,8 @@ __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, ui
 }
 
 // ---------------------------------------------------------------------------
-// forward_: y = f((x - mean) g~ r + beta [+ residual]) written into x.
+// forward_: y = f((x - mean) g~ r + beta [+ residual]) written into x; with
+// zout (ReLU, A = identity), z into zout and max(z, 0) into x.
 // Each thread reads then writes its own positions only; x and res carry no
 // __restrict__ so that a residual aliasing x stays correct.
 // Thread t handles the vectors v = t + (i U + u) vstride (u < U), vector v
@@ -201,7 +202,8 @@ __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, ui
 template <typename scalar_t, typename acc_t, Act A, int K, bool kFixed>
 __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
     forward_kernel(scalar_t* x, const scalar_t* res, uint32_t* __restrict__ mask,
-                   const acc_t* __restrict__ coef, acc_t param, int64_t numel, int64_t inner, int64_t C) {
+                   const acc_t* __restrict__ coef, acc_t param, int64_t numel, int64_t inner, int64_t C,
+                   acc_t* __restrict__ zout) {
   using Fn = Activation<A, ScalarMath<acc_t>>;
   constexpr int U = unroll<scalar_t>();
   const int lane = threadIdx.x & 31;
@@ -241,7 +243,12 @@ __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
             acc_t z = ((static_cast<acc_t>(xv[u][j]) - get(kFwdMeanHi, j)) - get(kFwdMeanLo, j)) * get(kFwdScale, j) +
                       get(kFwdShift, j);
             if (res != nullptr) z += static_cast<acc_t>(rv[u][j]);
-            xv[u][j] = static_cast<scalar_t>(Fn::forward(z, param));
+            if (zout != nullptr) {  // ReLU (with the identity): z kept for backward, max(z, 0) into x
+              if (j < remain) zout[e + j] = z;
+              xv[u][j] = static_cast<scalar_t>(z < acc_t(0) ? acc_t(0) : z);  // NaN stays NaN
+            } else {
+              xv[u][j] = static_cast<scalar_t>(Fn::forward(z, param));
+            }
             if constexpr (A == Act::Silu) {
               if (j < remain && Fn::branch(z) != acc_t(0)) bits |= 1u << j;
             }

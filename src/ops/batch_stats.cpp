@@ -1,6 +1,9 @@
 // inplace_abn::batch_stats: per-channel mean and biased variance, in the
-// accumulation dtype. Kernels: src/cpu/batch_stats_kernel.cpp,
-// src/cuda/batch_stats_kernel.cu.
+// accumulation dtype, and (optionally) the running-statistics update of
+// torch.nn.BatchNorm folded into the same call. Kernels:
+// src/cpu/batch_stats_kernel.cpp, src/cuda/batch_stats_kernel.cu.
+#include <ATen/core/grad_mode.h>
+
 #include "ops/common.h"
 #include "ops/ops.h"
 
@@ -8,13 +11,45 @@ namespace inplace_abn {
 
 KernelStub batch_stats_stub;
 
-std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x) {
+namespace {
+
+// r <- (1 - m) r + m s, in float64, rounded to r's dtype: one loop on the CPU
+// (no ATen op per statistic), the same formula with tensor ops elsewhere (no
+// host sync), so both give the same bits.
+void move_running(const at::Tensor& r, const at::Tensor& s, double factor, double m) {
+  if (r.is_cpu() && r.is_contiguous()) {
+    const at::Tensor sd = s.to(at::kDouble).contiguous();
+    const double* sp = sd.const_data_ptr<double>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.scalar_type(), "move_running", [&] {
+      scalar_t* rp = r.data_ptr<scalar_t>();
+      for (int64_t c = 0; c < r.numel(); ++c)
+        rp[c] = static_cast<scalar_t>((1.0 - m) * static_cast<double>(rp[c]) + m * (sp[c] * factor));
+    });
+    return;
+  }
+  r.copy_(r.to(at::kDouble).mul(1.0 - m).add(s.to(at::kDouble).mul(factor).mul(m)));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const OptTensor& running_mean,
+                                               const OptTensor& running_var, double momentum) {
   check_input(x, "x");
+  check_channel_vector(running_mean, x, "running_mean");
+  check_channel_vector(running_var, x, "running_var");
+  const int64_t C = x.size(1), n = C > 0 ? x.numel() / C : 0;
   const auto opts = x.options().dtype(acc_type_of(x.scalar_type()));
-  if (x.numel() == 0) return {at::zeros({x.size(1)}, opts), at::zeros({x.size(1)}, opts)};
+  if (x.numel() == 0) return {at::zeros({C}, opts), at::zeros({C}, opts)};  // n = 0: running stats unchanged
+  const bool update = running_mean.has_value() || running_var.has_value();
+  TORCH_CHECK(!update || n > 1, "inplace_abn: expected more than 1 value per channel when training, got ", n);
   c10::OptionalDeviceGuard guard(x.device());
-  const at::Tensor mean = at::empty({x.size(1)}, opts), var = at::empty({x.size(1)}, opts);
+  const at::Tensor mean = at::empty({C}, opts), var = at::empty({C}, opts);
   batch_stats_stub({.x = x, .out1 = mean, .out2 = var, .g = geometry_of(x, "x")});
+  if (update) {
+    const at::NoGradGuard no_grad;  // buffers: no autograd history
+    if (running_mean.has_value()) move_running(*running_mean, mean, 1.0, momentum);
+    if (running_var.has_value()) move_running(*running_var, var, double(n) / double(n - 1), momentum);
+  }
   return {mean, var};
 }
 

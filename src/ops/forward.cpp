@@ -1,5 +1,6 @@
 // inplace_abn::forward_: y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual])
-// written into x; returns the packed SiLU branch mask. Kernels:
+// written into x; returns the packed SiLU branch mask. With z_out (the
+// non-invertible ReLU): z into z_out, max(z, 0) into x, in one pass. Kernels:
 // src/cpu/forward_kernel.cpp, src/cuda/forward_kernel.cu.
 #include "ops/common.h"
 #include "ops/ops.h"
@@ -10,7 +11,7 @@ KernelStub forward_stub;
 
 at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var, const OptTensor& weight,
                     const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation,
-                    double activation_param, bool signed_weight) {
+                    double activation_param, bool signed_weight, const OptTensor& z_out) {
   check_input(x, "x");
   const Act act = to_act(activation);
   check_channel_vector(mean, x, "mean");
@@ -18,6 +19,15 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
   check_channel_vector(weight, x, "weight");
   check_channel_vector(bias, x, "bias");
   check_like(residual, x, "residual");
+  if (z_out.has_value()) {  // one write of z, in the dtype and memory order the kernel stores it
+    check_like(z_out, x, "z_out");
+    TORCH_CHECK(act == Act::Identity, "inplace_abn: z_out is the ReLU path and needs activation 0 (identity), got ",
+                activation);
+    TORCH_CHECK(z_out->scalar_type() == acc_type_of(x.scalar_type()), "inplace_abn: z_out must be ",
+                acc_type_of(x.scalar_type()), " for a ", x.scalar_type(), " input, got ", z_out->scalar_type());
+    TORCH_CHECK(is_channels_last(x) ? is_channels_last(*z_out) : z_out->is_contiguous(),
+                "inplace_abn: z_out must have x's memory layout (contiguous or channels-last)");
+  }
   at::Tensor mask = at::empty({act == Act::Silu ? mask_words(x.numel()) : 0}, x.options().dtype(at::kInt));
   if (x.numel() == 0) return mask;
   c10::OptionalDeviceGuard guard(x.device());
@@ -28,6 +38,7 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
     return std::array{hi, v[0] - hi, gain(v[2], weight.has_value(), eps, signed_weight) * inv_std(v[1], eps), v[3]};
   });
   forward_stub({.x = x, .residual = like(residual, x), .mask = mask, .coef = coef,
+                .out1 = z_out.has_value() ? *z_out : at::Tensor(),
                 .g = geometry_of(x, "x"), .act = act, .param = activation_param});
   return mask;
 }

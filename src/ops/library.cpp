@@ -15,32 +15,46 @@ PyMODINIT_FUNC PyInit__C(void) {  // PyMODINIT_FUNC: exported despite -fvisibili
 
 TORCH_LIBRARY(inplace_abn, m) {
   // Per-channel batch statistics over all dims but 1: (mean, biased var),
-  // float32 for float/half/bfloat16 inputs, float64 for double.
-  m.def("batch_stats(Tensor x) -> (Tensor mean, Tensor var)");
+  // float32 for float/half/bfloat16 inputs, float64 for double. Given running
+  // statistics, also moves them as torch.nn.BatchNorm does, with the count
+  // n = numel / C of x: r <- (1 - momentum) r + momentum s, s the mean and
+  // the unbiased var n / (n - 1) var; n = 0 leaves them, n = 1 is refused.
+  m.def(
+      "batch_stats(Tensor x, Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None, float momentum=0.0) "
+      "-> (Tensor mean, Tensor var)");
   // y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual]) written into x.
   // Returns the packed SiLU branch mask (int32, ceil(numel/32) words in memory
-  // order of x), empty for other activations.
+  // order of x), empty for other activations. With z_out (activation 0,
+  // identity, only): z_out receives the pre-activation z (accumulation dtype,
+  // x's shape and layout) and x receives max(z, 0): the non-invertible ReLU,
+  // whose backward needs z (docs/DESIGN.md section 3).
   m.def(
       "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight) -> Tensor mask");
+      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) -> Tensor mask");
   // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone.
   m.def(
       "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) "
       "-> (Tensor sum_gz, Tensor sum_gz_xhat)");
-  // dx = g~ r (gz - mean_gz - xhat * mean_gz_xhat); with residual_grad also
+  // dx = g~ r (gz - k mean_gz - xhat * k mean_gz_xhat), k = sums_scale (so
+  // the raw sums S_g, S_gx may be passed with k = 1 / n; k = 0 drops both
+  // terms whatever their values: eval mode); with residual_grad also
   // returns gz (the residual's gradient), else an empty tensor.
   m.def(
       "backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
       "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, "
-      "float activation_param, bool signed_weight, bool residual_grad) -> (Tensor dx, Tensor dresidual)");
+      "float activation_param, bool signed_weight, bool residual_grad, float sums_scale=1.0) "
+      "-> (Tensor dx, Tensor dresidual)");
+  // dweight = sum_gz_xhat dg~/dweight in weight's dtype: sign(weight) (0 at 0)
+  // in abs mode, 1 in signed mode (docs/DESIGN.md section 2).
+  m.def("weight_grad(Tensor sum_gz_xhat, Tensor weight, bool signed_weight) -> Tensor");
   // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce
   // stored z = f^-1(y) in z_out; the dx of backward_input from z, written over z
   // (so the second pass skips the inversion and allocates nothing). Returns dresidual.
   m.def(
       "backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, bool signed_weight, "
-      "bool residual_grad) -> Tensor dresidual");
+      "bool residual_grad, float sums_scale=1.0) -> Tensor dresidual");
 }
 
 TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) {

@@ -1,4 +1,4 @@
-// The device-agnostic front ends of the four operators (schemas: src/ops/library.cpp),
+// The device-agnostic front ends of the five operators (schemas: src/ops/library.cpp),
 // registered for CPU by src/ops/library.cpp and for CUDA by src/cuda/register.cpp.
 #pragma once
 
@@ -9,12 +9,13 @@
 
 namespace inplace_abn {
 
-std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const std::optional<at::Tensor>& running_mean,
+                                               const std::optional<at::Tensor>& running_var, double momentum);
 
 at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& residual, double eps, int64_t activation,
-                    double activation_param, bool signed_weight);
+                    double activation_param, bool signed_weight, const std::optional<at::Tensor>& z_out);
 
 std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
                                                    const std::optional<at::Tensor>& weight,
@@ -29,20 +30,24 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
                                                   const std::optional<at::Tensor>& residual,
                                                   const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat,
                                                   double eps, int64_t activation, double activation_param,
-                                                  bool signed_weight, bool residual_grad);
+                                                  bool signed_weight, bool residual_grad, double sums_scale);
+
+at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, bool signed_weight);
 
 at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, const at::Tensor& var,
                                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                   const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz,
                                   const at::Tensor& mean_gz_xhat, double eps, int64_t activation,
-                                  double activation_param, bool signed_weight, bool residual_grad);
+                                  double activation_param, bool signed_weight, bool residual_grad,
+                                  double sums_scale);
 
 // The same front ends for a device's dispatch key.
 #define IABN_IMPL_ALL(m)                                      \
   m.impl("batch_stats", &::inplace_abn::batch_stats);         \
   m.impl("forward_", &::inplace_abn::forward_);               \
   m.impl("backward_reduce", &::inplace_abn::backward_reduce); \
-  m.impl("backward_input", &::inplace_abn::backward_input)
+  m.impl("backward_input", &::inplace_abn::backward_input);   \
+  m.impl("weight_grad", &::inplace_abn::weight_grad)
 
 // CPU only (docs/DESIGN.md section 7.2)
 #define IABN_IMPL_CPU_ONLY(m) m.impl("backward_input_from_z_", &::inplace_abn::backward_input_from_z_)

@@ -1,0 +1,43 @@
+// inplace_abn::weight_grad: dweight = S_gx dg~/dweight (docs/DESIGN.md section
+// 2) in the weight's dtype, one call instead of sign, multiply and cast.
+#include <ATen/core/grad_mode.h>
+
+#include "ops/common.h"
+#include "ops/ops.h"
+
+namespace inplace_abn {
+
+at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, bool signed_weight) {
+  TORCH_CHECK(weight.dim() == 1 && sum_gz_xhat.dim() == 1 && sum_gz_xhat.size(0) == weight.size(0),
+              "inplace_abn: weight_grad needs a (C,) weight and (C,) sums, got ", weight.sizes(), " and ",
+              sum_gz_xhat.sizes());
+  TORCH_CHECK(sum_gz_xhat.device() == weight.device(), "inplace_abn: sum_gz_xhat is on ", sum_gz_xhat.device(),
+              " but weight is on ", weight.device());
+  TORCH_CHECK(at::isFloatingType(weight.scalar_type()) && at::isFloatingType(sum_gz_xhat.scalar_type()),
+              "inplace_abn: weight_grad needs floating point tensors, got ", sum_gz_xhat.scalar_type(), " and ",
+              weight.scalar_type());
+  c10::OptionalDeviceGuard guard(weight.device());
+  at::Tensor out = at::empty({weight.size(0)}, weight.options());
+  if (signed_weight) return out.copy_(sum_gz_xhat);  // dg~/dweight = 1
+  if (!weight.is_cpu()) {  // sign(w) s in s's dtype, as torch computes it; no host sync
+    const at::NoGradGuard no_grad;
+    return out.copy_(sum_gz_xhat * at::sign(weight.detach().to(sum_gz_xhat.scalar_type())));
+  }
+  // CPU: one loop. s * sign(w) is exact (s, -s or 0; NaN for a NaN weight, as at::sign)
+  // (the weight's sign is taken in the sums' dtype, as on other devices)
+  const at::Tensor s = sum_gz_xhat.to(at::kDouble).contiguous();
+  const at::Tensor w = weight.detach().to(sum_gz_xhat.scalar_type()).to(at::kDouble).contiguous();
+  const double* sp = s.const_data_ptr<double>();
+  const double* wp = w.const_data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "weight_grad", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < out.numel(); ++c) {
+      const double wc = wp[c];
+      const double sign = wc > 0 ? 1.0 : wc < 0 ? -1.0 : wc == 0 ? 0.0 : wc;  // NaN: NaN
+      op[c] = static_cast<scalar_t>(sp[c] * sign);
+    }
+  });
+  return out;
+}
+
+}  // namespace inplace_abn
