@@ -166,11 +166,20 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
     const auto r = rows(v);
     return at::stack(r).to(acc);
   }
-  std::array<at::Tensor, K> v;  // contiguous float64 (the inputs themselves when they are)
+  // Contiguous float32 / float64 inputs are read in place (a conversion to
+  // float64 tensors cost one ATen call per input and operator call); others
+  // are converted first. float -> double is exact, so the bits are the same.
+  std::array<at::Tensor, K> v;
+  std::array<const float*, K> pf{};
   std::array<const double*, K> p{};
   for (size_t k = 0; k < K; ++k)
     if (in[k].t.has_value()) {
-      v[k] = in[k].t->to(at::kDouble).contiguous();
+      v[k] = *in[k].t;
+      if (v[k].scalar_type() == at::kFloat && v[k].is_contiguous()) {
+        pf[k] = v[k].template const_data_ptr<float>();
+        continue;
+      }
+      if (v[k].scalar_type() != at::kDouble || !v[k].is_contiguous()) v[k] = v[k].to(at::kDouble).contiguous();
       p[k] = v[k].template const_data_ptr<double>();
     }
   constexpr size_t R = std::tuple_size_v<decltype(rows(std::array<double, K>{}))>;
@@ -179,7 +188,7 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
     scalar_t* out = table.template data_ptr<scalar_t>();
     for (int64_t c = 0; c < C; ++c) {
       std::array<double, K> vc;
-      for (size_t k = 0; k < K; ++k) vc[k] = p[k] ? p[k][c] : in[k].fill;
+      for (size_t k = 0; k < K; ++k) vc[k] = pf[k] ? double(pf[k][c]) : p[k] ? p[k][c] : in[k].fill;
       const auto r = rows(vc);
       for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(r[i]);
     }
