@@ -109,11 +109,17 @@ def ops_for(x: torch.Tensor, choice: Optional[str] = None):
     return _pure
 
 
-def keeps_z(ops, y: torch.Tensor, act: int) -> bool:
-    """Whether the backward keeps z = f^-1(y) between its two passes: SiLU with
-    the native CPU kernels, float32/float64 (docs/DESIGN.md section 7.2)."""
-    return ops is NATIVE and act == _activation.SILU and y.device.type == "cpu" and y.dtype in (
+def silu_keeps_z(y: torch.Tensor, act: int) -> bool:
+    """Whether a native backward on y keeps z = f^-1(y) between its two passes:
+    SiLU, on the CPU with the extension built, float32/float64 (docs/DESIGN.md
+    section 7.2)."""
+    return HAS_NATIVE and act == _activation.SILU and y.device.type == "cpu" and y.dtype in (
         torch.float32, torch.float64)
+
+
+def keeps_z(ops, y: torch.Tensor, act: int) -> bool:
+    """`silu_keeps_z` for the BatchNorm backward running ``ops``."""
+    return ops is NATIVE and silu_keeps_z(y, act)
 
 
 def _register_fakes():

@@ -1,8 +1,8 @@
-"""The four GroupNorm operators of the in-place activated GroupNorm
-(docs/DESIGN.md section 10), declared as the native ones will be.
+"""The GroupNorm operators of the in-place activated GroupNorm
+(docs/DESIGN.md section 10).
 
 Schemas live in the ``inplace_abn`` operator namespace next to the BatchNorm
-operators of ``src/ops.cpp``::
+operators of ``src/ops/library.cpp``::
 
     gn_stats(Tensor x, int groups) -> (Tensor mean, Tensor var)          (N, G) each
     gn_forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias,
@@ -10,23 +10,24 @@ operators of ``src/ops.cpp``::
                 bool signed_weight) -> Tensor mask
     gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias,
                 Tensor? residual, float eps, int activation, float activation_param,
-                bool signed_weight) -> (Tensor sum_gz, Tensor sum_gzx)     (N, C) each
+                bool signed_weight, Tensor(b!)? z_out=None)
+                -> (Tensor sum_gz, Tensor sum_gzx)                         (N, C) each
     gn_backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight,
                 Tensor? bias, Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps,
                 int activation, float activation_param, bool signed_weight,
                 bool residual_grad) -> (Tensor dx, Tensor dresidual)
+    gn_backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, ..., bool residual_grad)
+                -> Tensor dresidual                 dx written over the z of z_out (section 7.2)
 
 G is ``mean.shape[1]`` (``var.shape[1]``) after ``gn_stats``. Statistics and
 sums are in the accumulation dtype (`_activation.acc_dtype`). The mask is the
 SiLU branch mask of the BatchNorm operators (`_pure.pack_bits`, one bit per
 element in memory order; empty for the other activations).
 
-Each operator has a CompositeExplicitAutograd kernel, the pure-PyTorch
-implementation below, and a fake kernel. Native kernels plug in with
-``TORCH_LIBRARY_IMPL(inplace_abn, CPU, m)`` (or CUDA): a kernel registered to
-a backend key takes precedence over the composite one for that device, and
-nothing in Python changes. If the native library declares the schemas itself
-(``TORCH_LIBRARY_FRAGMENT``), the declarations here are skipped.
+Each operator has a CompositeExplicitAutograd kernel (the pure-PyTorch
+implementation below), a fake kernel and, wherever the native BatchNorm
+kernels are built (CPU, CUDA), a kernel for that device that runs them on
+views of the input (the "native" section below).
 """
 from typing import Optional
 
@@ -155,17 +156,12 @@ PURE = {name: globals()[name] for name in OP_NAMES}
 _BN = torch.ops.inplace_abn
 
 
-def _channels_last(x):
-    return x.dim() in (4, 5) and not x.is_contiguous() and x.is_contiguous(
-        memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
-
-
 def _native_ok(x, act):
     """Whether the BatchNorm kernels serve this call. A channels-last SiLU mask
     concatenates per-sample masks, which is the memory-order mask of the whole
     tensor only when every sample fills whole 32-bit words; other shapes take
     the pure kernels (forward and backward decide alike: y has x's layout)."""
-    if not _channels_last(x) or act != A.SILU:
+    if not _pure.is_channels_last(x) or act != A.SILU:
         return True
     return (x.numel() // max(x.shape[0], 1)) % 32 == 0
 
@@ -192,9 +188,9 @@ def _samples(t, n):
 
 def native_gn_stats(x, groups):
     N, C = x.shape[:2]
-    if x.numel() == 0 or not _channels_last(x):
-        if x.numel() == 0:
-            return gn_stats(x, groups)
+    if x.numel() == 0:
+        return gn_stats(x, groups)
+    if not _pure.is_channels_last(x):
         mean, var = _BN.batch_stats(x.view(1, N * groups, -1))
         return mean.view(N, groups), var.view(N, groups)
     # a sample in channels-last memory is (S, G, C/G) contiguous: groups are "channels"
@@ -208,7 +204,7 @@ def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed
     N, C = x.shape[:2]
     if x.numel() == 0:
         return x.new_empty(0, dtype=torch.int32)
-    if not _channels_last(x):
+    if not _pure.is_channels_last(x):
         return _BN.forward_(_flat(x, N, C), _nc(mean, C), _nc(var, C), _tile(weight, N), _tile(bias, N),
                             _flat(residual, N, C), eps, act, p, signed)
     masks = [_BN.forward_(x[n:n + 1], _nc(mean[n:n + 1], C), _nc(var[n:n + 1], C), weight, bias,
@@ -227,7 +223,7 @@ def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, 
     if not _native_ok(y, act) or y.numel() == 0 or (z_out is not None and not y.is_cpu):
         return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out)
     N, C = y.shape[:2]
-    if not _channels_last(y):
+    if not _pure.is_channels_last(y):
         s, sx = _BN.backward_reduce(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, _tile(weight, N),
                                     _tile(bias, N), _flat(residual, N, C), eps, act, p, signed,
                                     _flat(z_out, N, C))
@@ -262,7 +258,7 @@ def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz,
                                  residual_grad)
     N, C = y.shape[:2]
     m_gz, m_gzx, v = _bn_means(y, var, weight, mean_ggz, mean_ggzx, eps, signed)
-    if not _channels_last(y):
+    if not _pure.is_channels_last(y):
         dx, dr = _BN.backward_input(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, v.view(-1),
                                     _tile(weight, N), _tile(bias, N), _flat(residual, N, C), m_gz.view(-1),
                                     m_gzx.view(-1), eps, act, p, signed, residual_grad)
@@ -278,19 +274,6 @@ def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz,
     return dx, dr
 
 
-# ---- registration --------------------------------------------------------------
-
-_lib = torch.library.Library("inplace_abn", "FRAGMENT")
-
-
-def _declared(name):
-    try:
-        torch._C._get_schema(f"inplace_abn::{name}", "")
-    except RuntimeError:
-        return False
-    return True
-
-
 def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
                                     residual_grad):
     if not _native_ok(z, act) or z.numel() == 0 or not z.is_cpu:
@@ -298,7 +281,7 @@ def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_gg
                                          signed, residual_grad)
     N, C = z.shape[:2]
     m_gz, m_gzx, v = _bn_means(z, var, weight, mean_ggz, mean_ggzx, eps, signed)
-    if not _channels_last(z):
+    if not _pure.is_channels_last(z):
         dr = _BN.backward_input_from_z_(_flat(z, N, C), _flat(dy.contiguous(), N, C), v.view(-1), _tile(weight, N),
                                         _tile(bias, N), _flat(residual, N, C), m_gz.view(-1), m_gzx.view(-1), eps,
                                         act, p, signed, residual_grad)
@@ -310,6 +293,19 @@ def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_gg
         if residual_grad:
             dr[n:n + 1] = drn
     return dr
+
+
+# ---- registration --------------------------------------------------------------
+
+_lib = torch.library.Library("inplace_abn", "FRAGMENT")
+
+
+def _declared(name):
+    try:
+        torch._C._get_schema(f"inplace_abn::{name}", "")
+    except RuntimeError:
+        return False
+    return True
 
 
 NATIVE = {name: globals()["native_" + name] for name in OP_NAMES}
@@ -368,9 +364,9 @@ _DISPATCHED_OPS = _Ops({name: getattr(torch.ops.inplace_abn, name) for name in O
 
 
 def keeps_z(ops, y: torch.Tensor, act: int) -> bool:
-    """Whether the backward keeps z between its passes: as `_backend.keeps_z`,
-    for the dispatched operators on the CPU with the BatchNorm kernels built."""
-    return ops is _DISPATCHED_OPS and _backend.keeps_z(_backend.NATIVE, y, act) and _backend.HAS_NATIVE
+    """Whether the backward keeps z between its passes (`_backend.silu_keeps_z`)
+    with the dispatched operators (their CPU kernels are the native ones)."""
+    return ops is _DISPATCHED_OPS and _backend.silu_keeps_z(y, act)
 
 
 def ops_for(x: torch.Tensor, choice: Optional[str] = None):

@@ -23,13 +23,17 @@ def _per_channel(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view((1, -1) + (1,) * (ndim - 2))
 
 
+def is_channels_last(x: torch.Tensor) -> bool:
+    """Channels-last (4-D) or channels-last-3d (5-D) memory, and not also contiguous."""
+    return x.dim() in (4, 5) and not x.is_contiguous() and x.is_contiguous(
+        memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
 def memory_order(x: torch.Tensor) -> torch.Tensor:
     """A view of ``x`` whose row-major order is x's memory order."""
     if x.is_contiguous():
         return x
-    if x.dim() in (4, 5) and x.is_contiguous(
-        memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-    ):
+    if is_channels_last(x):
         return x.movedim(1, -1)
     raise ValueError("inplace_abn: expected a contiguous or channels-last tensor")
 

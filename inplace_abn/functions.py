@@ -18,13 +18,7 @@ WEIGHT_MODES = ("abs", "signed")
 
 def _layout_compatible(x: torch.Tensor) -> torch.Tensor:
     """x itself when the kernels can work on its storage, else None."""
-    if x.is_contiguous():
-        return x
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return x
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return x
-    return None
+    return x if x.is_contiguous() or _pure.is_channels_last(x) else None
 
 
 def _like_layout(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -56,10 +56,8 @@ class _InPlaceAGNFunction(torch.autograd.Function):
         # (N, C) sums over the spatial positions of gz and gz xhat; SiLU on the
         # CPU keeps z for the second pass (docs/DESIGN.md section 7.2)
         z = torch.empty_like(y) if need_x and _groupnorm_ops.keeps_z(ops, y, act) else None
-        if z is None:
-            s_gz, s_gzx = ops.gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed)
-        else:
-            s_gz, s_gzx = ops.gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z)
+        extra = () if z is None else (z,)
+        s_gz, s_gzx = ops.gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, *extra)
         dx = dr = None
         if need_x or need_r:
             N, C = y.shape[:2]
