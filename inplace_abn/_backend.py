@@ -22,17 +22,21 @@ except ImportError as e:  # extension not built: pure backend
     _native_error = e
 
 HAS_NATIVE = _native_error is None
-OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad")
+OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad")  # CPU and CUDA
+CPU_OP_NAMES = ("backward_input_from_z_",)  # the SiLU z path, docs/DESIGN.md section 7.2
 
 
 class _NativeOps:
-    """The torch.ops.inplace_abn operators, under the same names as `_pure`."""
+    """The torch.ops.inplace_abn operators, under the same names as `_pure`: their
+    default overloads, bound once (a call through the packet resolves the
+    overload, and a lookup by name costs a __getattr__, every time)."""
 
-    def __getattr__(self, name):
-        return getattr(torch.ops.inplace_abn, name)
+    def __init__(self):
+        for name in OP_NAMES + CPU_OP_NAMES:
+            setattr(self, name, getattr(torch.ops.inplace_abn, name).default)
 
 
-NATIVE = _NativeOps()
+NATIVE = _NativeOps() if HAS_NATIVE else None
 
 
 _device_kernel = {}  # device type -> bool; the dispatcher lookup costs ~14 us, twice per step

@@ -353,7 +353,7 @@ def test_relu_layer_saves_nothing_but_stays_correct(backend):
 @pytest.mark.skipif(not os.environ.get("INPLACE_ABN_REQUIRE_NATIVE"), reason="native build not required here")
 def test_native_extension_is_built():
     assert inplace_abn.HAS_NATIVE, f"the native extension failed to load: {inplace_abn._backend._native_error}"
-    for op in inplace_abn._backend.OP_NAMES:
+    for op in inplace_abn._backend.OP_NAMES + inplace_abn._backend.CPU_OP_NAMES:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{op}", "CPU"), op
 
 

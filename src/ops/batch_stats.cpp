@@ -18,8 +18,7 @@ namespace {
 // host sync), so both give the same bits.
 void move_running(const at::Tensor& r, const at::Tensor& s, double factor, double m) {
   if (r.is_cpu() && r.is_contiguous()) {
-    const at::Tensor sd = s.to(at::kDouble).contiguous();
-    const double* sp = sd.const_data_ptr<double>();
+    const DoubleReader sp(s);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.scalar_type(), "move_running", [&] {
       scalar_t* rp = r.data_ptr<scalar_t>();
       for (int64_t c = 0; c < r.numel(); ++c)

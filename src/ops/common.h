@@ -147,6 +147,28 @@ T gain(const T& w, bool has_weight, double eps, bool signed_weight) {
 template <class T>
 T inv_std(const T& var, double eps) { return rsqrt(var + eps); }
 
+// A (C,) vector of the CPU read as float64: float32 / float64 contiguous
+// tensors in place (a conversion would cost one ATen call per vector and
+// operator call), others through a float64 copy. float -> double is exact, so
+// the bits are the same either way.
+class DoubleReader {
+ public:
+  explicit DoubleReader(const at::Tensor& t) {
+    if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
+      pf_ = t.const_data_ptr<float>();
+      return;
+    }
+    keep_ = t.scalar_type() == at::kDouble && t.is_contiguous() ? t : t.to(at::kDouble).contiguous();
+    pd_ = keep_.const_data_ptr<double>();
+  }
+  double operator[](int64_t c) const { return pf_ ? double(pf_[c]) : pd_[c]; }
+
+ private:
+  at::Tensor keep_;
+  const float* pf_ = nullptr;
+  const double* pd_ = nullptr;
+};
+
 // A per-channel input of a table: its float64 values, `fill` where absent.
 struct ChannelInput {
   const OptTensor& t;
@@ -166,29 +188,16 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
     const auto r = rows(v);
     return at::stack(r).to(acc);
   }
-  // Contiguous float32 / float64 inputs are read in place (a conversion to
-  // float64 tensors cost one ATen call per input and operator call); others
-  // are converted first. float -> double is exact, so the bits are the same.
-  std::array<at::Tensor, K> v;
-  std::array<const float*, K> pf{};
-  std::array<const double*, K> p{};
+  std::array<std::optional<DoubleReader>, K> rd;
   for (size_t k = 0; k < K; ++k)
-    if (in[k].t.has_value()) {
-      v[k] = *in[k].t;
-      if (v[k].scalar_type() == at::kFloat && v[k].is_contiguous()) {
-        pf[k] = v[k].template const_data_ptr<float>();
-        continue;
-      }
-      if (v[k].scalar_type() != at::kDouble || !v[k].is_contiguous()) v[k] = v[k].to(at::kDouble).contiguous();
-      p[k] = v[k].template const_data_ptr<double>();
-    }
+    if (in[k].t.has_value()) rd[k].emplace(*in[k].t);
   constexpr size_t R = std::tuple_size_v<decltype(rows(std::array<double, K>{}))>;
   at::Tensor table = at::empty({int64_t(R), C}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "coef_table", [&] {
     scalar_t* out = table.template data_ptr<scalar_t>();
     for (int64_t c = 0; c < C; ++c) {
       std::array<double, K> vc;
-      for (size_t k = 0; k < K; ++k) vc[k] = pf[k] ? double(pf[k][c]) : p[k] ? p[k][c] : in[k].fill;
+      for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
       const auto r = rows(vc);
       for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(r[i]);
     }

@@ -25,10 +25,9 @@ at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, 
   }
   // CPU: one loop. s * sign(w) is exact (s, -s or 0; NaN for a NaN weight, as at::sign)
   // (the weight's sign is taken in the sums' dtype, as on other devices)
-  const at::Tensor s = sum_gz_xhat.to(at::kDouble).contiguous();
-  const at::Tensor w = weight.detach().to(sum_gz_xhat.scalar_type()).to(at::kDouble).contiguous();
-  const double* sp = s.const_data_ptr<double>();
-  const double* wp = w.const_data_ptr<double>();
+  const DoubleReader sp(sum_gz_xhat);
+  const auto st = sum_gz_xhat.scalar_type();
+  const DoubleReader wp(weight.scalar_type() == st ? weight.detach() : weight.detach().to(st));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "weight_grad", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     for (int64_t c = 0; c < out.numel(); ++c) {
