@@ -138,25 +138,27 @@ def _register_fakes():
         return x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
 
     @torch.library.register_fake("inplace_abn::forward_")
-    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None):
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
+          groups=0):
         words = (x.numel() + 31) // 32 if activation == 3 else 0
         return x.new_empty(words, dtype=torch.int32)
 
     @torch.library.register_fake("inplace_abn::backward_reduce")
-    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None):
-        C = y.shape[1]
-        return y.new_empty(C, dtype=acc(y)), y.new_empty(C, dtype=acc(y))
+    def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
+          groups=0):
+        shape = y.shape[:2] if groups else y.shape[1:2]  # per (n, c) for GroupNorm
+        return y.new_empty(shape, dtype=acc(y)), y.new_empty(shape, dtype=acc(y))
 
     @torch.library.register_fake("inplace_abn::backward_input")
     def _(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param,
-          signed_weight, residual_grad, sums_scale=1.0):
+          signed_weight, residual_grad, sums_scale=1.0, groups=0):
         dx = torch.empty_like(y)
         dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
         return dx, dr
 
     @torch.library.register_fake("inplace_abn::backward_input_from_z_")
     def _(z, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param, signed_weight,
-          residual_grad, sums_scale=1.0):
+          residual_grad, sums_scale=1.0, groups=0):
         return torch.empty_like(z) if residual_grad else z.new_empty(0)
 
     @torch.library.register_fake("inplace_abn::weight_grad")

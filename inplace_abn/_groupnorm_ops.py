@@ -172,16 +172,6 @@ def _nc(v, C):
     return v.unsqueeze(2).expand(N, G, C // G).reshape(N * C)
 
 
-def _tile(t, N):
-    """(C,) -> (N*C,): t repeated for every sample (cat: the cheapest call at these sizes)."""
-    return None if t is None else torch.cat([t] * N)
-
-
-def _flat(t, N, C):
-    """A contiguous (N, C, *) tensor as (1, N*C, S)."""
-    return None if t is None else t.view(1, N * C, -1)
-
-
 def _samples(t, n):
     return None if t is None else t[n:n + 1]
 
@@ -205,8 +195,7 @@ def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed
     if x.numel() == 0:
         return x.new_empty(0, dtype=torch.int32)
     if not _pure.is_channels_last(x):
-        return _BN.forward_(_flat(x, N, C), _nc(mean, C), _nc(var, C), _tile(weight, N), _tile(bias, N),
-                            _flat(residual, N, C), eps, act, p, signed)
+        return _BN.forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, None, mean.shape[1])
     masks = [_BN.forward_(x[n:n + 1], _nc(mean[n:n + 1], C), _nc(var[n:n + 1], C), weight, bias,
                           _samples(residual, n), eps, act, p, signed) for n in range(N)]
     return torch.cat(masks)
@@ -223,11 +212,8 @@ def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, 
     if not _native_ok(y, act) or y.numel() == 0 or (z_out is not None and not y.is_cpu):
         return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out)
     N, C = y.shape[:2]
-    if not _pure.is_channels_last(y):
-        s, sx = _BN.backward_reduce(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, _tile(weight, N),
-                                    _tile(bias, N), _flat(residual, N, C), eps, act, p, signed,
-                                    _flat(z_out, N, C))
-        return s.view(N, C), sx.view(N, C)
+    if not _pure.is_channels_last(y):  # (groups: any divisor of C gives the same (N, C) sums)
+        return _BN.backward_reduce(y, dy.contiguous(), mask, weight, bias, residual, eps, act, p, signed, z_out, 1)
     per = [_BN.backward_reduce(y[n:n + 1], dy[n:n + 1], _mask_of(mask, n, N), weight, bias, _samples(residual, n),
                                eps, act, p, signed, _samples(z_out, n)) for n in range(N)]
     return torch.stack([s for s, _ in per]), torch.stack([sx for _, sx in per])
@@ -256,13 +242,11 @@ def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz,
     if not _native_ok(y, act) or y.numel() == 0:
         return gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
                                  residual_grad)
-    N, C = y.shape[:2]
-    m_gz, m_gzx, v = _bn_means(y, var, weight, mean_ggz, mean_ggzx, eps, signed)
     if not _pure.is_channels_last(y):
-        dx, dr = _BN.backward_input(_flat(y, N, C), _flat(dy.contiguous(), N, C), mask, v.view(-1),
-                                    _tile(weight, N), _tile(bias, N), _flat(residual, N, C), m_gz.view(-1),
-                                    m_gzx.view(-1), eps, act, p, signed, residual_grad)
-        return dx.view(y.shape), (dr.view(y.shape) if residual_grad else dr)
+        return _BN.backward_input(y, dy.contiguous(), mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
+                                  act, p, signed, residual_grad, 1.0, var.shape[1])
+    N = y.shape[0]
+    m_gz, m_gzx, v = _bn_means(y, var, weight, mean_ggz, mean_ggzx, eps, signed)
     dx = torch.empty_like(y)
     dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
     for n in range(N):
@@ -279,13 +263,11 @@ def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_gg
     if not _native_ok(z, act) or z.numel() == 0 or not z.is_cpu:
         return gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p,
                                          signed, residual_grad)
-    N, C = z.shape[:2]
-    m_gz, m_gzx, v = _bn_means(z, var, weight, mean_ggz, mean_ggzx, eps, signed)
     if not _pure.is_channels_last(z):
-        dr = _BN.backward_input_from_z_(_flat(z, N, C), _flat(dy.contiguous(), N, C), v.view(-1), _tile(weight, N),
-                                        _tile(bias, N), _flat(residual, N, C), m_gz.view(-1), m_gzx.view(-1), eps,
-                                        act, p, signed, residual_grad)
-        return dr.view(z.shape) if residual_grad else dr
+        return _BN.backward_input_from_z_(z, dy.contiguous(), var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
+                                          act, p, signed, residual_grad, 1.0, var.shape[1])
+    N = z.shape[0]
+    m_gz, m_gzx, v = _bn_means(z, var, weight, mean_ggz, mean_ggzx, eps, signed)
     dr = torch.empty_like(z) if residual_grad else z.new_empty(0)
     for n in range(N):
         drn = _BN.backward_input_from_z_(z[n:n + 1], dy[n:n + 1], v[n], weight, bias, _samples(residual, n), m_gz[n],

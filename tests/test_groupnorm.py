@@ -34,6 +34,7 @@ LAYOUTS = {
 }
 ACTS = ["identity", "leaky_relu", "elu", "silu", "relu"]
 INVERTIBLE = ["identity", "leaky_relu", "elu", "silu"]
+INVERTIBLE_CODES = [_activation.CODES[a] for a in INVERTIBLE]
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -334,6 +335,59 @@ def test_silu_backward_from_z(backend, shape, fmt, residual):
     torch.testing.assert_close(z, dx_ref, rtol=0, atol=tol * dx_ref.abs().max().item())
     if residual:
         torch.testing.assert_close(dr, dr_ref, rtol=0, atol=tol * dr_ref.abs().max().item())
+
+
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("act", INVERTIBLE_CODES)
+def test_batchnorm_operators_in_groupnorm_mode(act, residual):
+    """forward_, backward_reduce, backward_input(_from_z_) with groups > 0 (the
+    contiguous native GroupNorm path, docs/DESIGN.md section 10): opcheck, and
+    the pure GroupNorm operators' results to float32 rounding; channels-last
+    inputs, C not divisible by groups and statistics of the wrong size are refused."""
+    ops, pure = torch.ops.inplace_abn, inplace_abn._groupnorm_ops._PURE_OPS
+    g = torch.Generator().manual_seed(5 + act)
+    N, C, G = 3, 8, 4
+    x = torch.randn(N, C, 4, 5, generator=g, dtype=torch.float64).float()
+    w, b = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
+    r = torch.randn(N, C, 4, 5, generator=g) if residual else None
+    p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 1.0}.get(act, 0.0)
+    mean, var = pure.gn_stats(x, G)
+    close = dict(rtol=0, atol=1e-5)
+    y, y_ref = x.clone(), x.clone()
+    torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, False, None, G))
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, False, None, G)
+    mask_ref = pure.gn_forward_(y_ref, mean, var, w, b, r, 1e-5, act, p, False)
+    torch.testing.assert_close(y, y_ref, **close)
+    assert torch.equal(mask, mask_ref)
+    dy = torch.randn(y.shape, generator=g)
+    reduce_args = (y, dy, mask, w, b, r, 1e-5, act, p, False, None, G)
+    torch.library.opcheck(ops.backward_reduce.default, reduce_args)
+    for got, want in zip(ops.backward_reduce(*reduce_args), pure.gn_backward_reduce(*reduce_args[:-2])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    mg, mgx = torch.randn(N, G, generator=g), torch.randn(N, G, generator=g)
+    input_args = (y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual)
+    torch.library.opcheck(ops.backward_input.default, input_args + (1.0, G))
+    for got, want in zip(ops.backward_input(*input_args, 1.0, G), pure.gn_backward_input(*input_args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    if act == _activation.SILU:
+        z = torch.empty_like(y)
+        ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, False, z, G)
+        from_z = (dy, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual, 1.0, G)
+        torch.library.opcheck(ops.backward_input_from_z_.default, (z.clone(),) + from_z)
+        ops.backward_input_from_z_(z, *from_z)
+        torch.testing.assert_close(z, pure.gn_backward_input(*input_args)[0], rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="contiguous input"):
+        ops.forward_(x.clone().contiguous(memory_format=torch.channels_last), mean, var, w, b, None, 1e-5, act, p,
+                     False, None, G)
+    with pytest.raises(RuntimeError, match="does not divide"):
+        ops.forward_(x.clone(), mean, var, w, b, None, 1e-5, act, p, False, None, 3)
+    with pytest.raises(RuntimeError, match="mean must hold N \\* groups = 12"):
+        ops.forward_(x.clone(), mean[:2], var, w, b, None, 1e-5, act, p, False, None, G)
+    with pytest.raises(RuntimeError, match="mean_gz_xhat must hold"):
+        ops.backward_input(y, dy, mask, var, w, b, r, mg, mgx[:, :2], 1e-5, act, p, False, residual, 1.0, G)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        ops.backward_reduce(y, dy, mask, w[:4], b, r, 1e-5, act, p, False, None, G)
 
 
 def test_operators_have_composite_kernels_a_device_kernel_can_override():

@@ -12,21 +12,25 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
                                                    const OptTensor& weight, const OptTensor& bias,
                                                    const OptTensor& residual, double eps, int64_t activation,
                                                    double activation_param, bool signed_weight,
-                                                   const OptTensor& z_out) {
+                                                   const OptTensor& z_out, int64_t groups) {
   const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
   if (z_out.has_value()) check_z(*z_out, y, act, "z_out");
+  const Groups grp(y, groups);
+  const std::array<ChannelInput, 2> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight")};
   const auto opts = y.options().dtype(acc_type_of(y.scalar_type()));
-  if (y.numel() == 0) return {at::zeros({y.size(1)}, opts), at::zeros({y.size(1)}, opts)};
+  // per channel, or per (n, c) for GroupNorm
+  const auto shape = grp.G ? std::vector<int64_t>{y.size(0), y.size(1)} : std::vector<int64_t>{y.size(1)};
+  if (y.numel() == 0) return {at::zeros(shape, opts), at::zeros(shape, opts)};
   c10::OptionalDeviceGuard guard(y.device());
-  const at::Tensor sum_gz = at::empty({y.size(1)}, opts), sum_gz_xhat = at::empty({y.size(1)}, opts);
+  const at::Tensor sum_gz = at::empty(shape, opts), sum_gz_xhat = at::empty(shape, opts);
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
-  const at::Tensor coef = coef_table<2>(y, {{{bias, 0.0}, {weight, 1.0}}}, [&](const auto& v) {
+  const at::Tensor yv = grp.view(y);
+  const at::Tensor coef = coef_table<2>(yv, in, [&](const auto& v) {
     return std::array{v[0], gain(v[1], weight.has_value(), eps, signed_weight)};
   });
-  backward_reduce_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask, .coef = coef,
-                        .out1 = sum_gz, .out2 = sum_gz_xhat, .z = z_out.value_or(at::Tensor()),
-                        .g = geometry_of(y, "y"), .act = act,
-                        .param = activation_param});
+  backward_reduce_stub({.x = yv, .dy = grp.view(like(dy, y)), .residual = grp.view(like(residual, y)), .mask = mask,
+                        .coef = coef, .out1 = sum_gz, .out2 = sum_gz_xhat, .z = grp.view(z_out.value_or(at::Tensor())),
+                        .g = geometry_of(yv, "y"), .act = act, .param = activation_param});
   return {sum_gz, sum_gz_xhat};
 }
 

@@ -153,12 +153,12 @@ T inv_std(const T& var, double eps) { return rsqrt(var + eps); }
 // the bits are the same either way.
 class DoubleReader {
  public:
-  explicit DoubleReader(const at::Tensor& t) {
+  explicit DoubleReader(const at::Tensor& t) : keep_(t) {  // (kept: t may be a temporary)
     if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
       pf_ = t.const_data_ptr<float>();
       return;
     }
-    keep_ = t.scalar_type() == at::kDouble && t.is_contiguous() ? t : t.to(at::kDouble).contiguous();
+    if (t.scalar_type() != at::kDouble || !t.is_contiguous()) keep_ = t.to(at::kDouble).contiguous();
     pd_ = keep_.const_data_ptr<double>();
   }
   double operator[](int64_t c) const { return pf_ ? double(pf_[c]) : pd_[c]; }
@@ -170,9 +170,13 @@ class DoubleReader {
 };
 
 // A per-channel input of a table: its float64 values, `fill` where absent.
+// Column k of the table reads entry (k / div) % mod of t (mod 0: k / div),
+// see Groups.
 struct ChannelInput {
-  const OptTensor& t;
+  OptTensor t;
   double fill;
+  int64_t div = 1, mod = 0;
+  int64_t index(int64_t k) const { return mod ? (k / div) % mod : k / div; }
 };
 
 // The (rows, C) table in the accumulation dtype of x: rows(v) maps the K
@@ -183,27 +187,68 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
   const int64_t C = x.size(1);
   if (!x.is_cpu()) {
     std::array<at::Tensor, K> v;
-    for (size_t k = 0; k < K; ++k)
-      v[k] = in[k].t.has_value() ? in[k].t->to(at::kDouble) : at::full({C}, in[k].fill, x.options().dtype(at::kDouble));
+    for (size_t k = 0; k < K; ++k) {
+      const auto dbl = x.options().dtype(at::kDouble);
+      v[k] = in[k].t.has_value() ? in[k].t->reshape(-1).to(at::kDouble) : at::full({C}, in[k].fill, dbl);
+      if (in[k].t.has_value() && (in[k].div != 1 || in[k].mod)) {  // the columns' entries (GroupNorm)
+        at::Tensor idx = at::arange(C, x.options().dtype(at::kLong)).div(in[k].div, "floor");
+        v[k] = v[k].index_select(0, in[k].mod ? idx.remainder(in[k].mod) : idx);
+      }
+    }
     const auto r = rows(v);
     return at::stack(r).to(acc);
   }
   std::array<std::optional<DoubleReader>, K> rd;
   for (size_t k = 0; k < K; ++k)
-    if (in[k].t.has_value()) rd[k].emplace(*in[k].t);
+    if (in[k].t.has_value()) rd[k].emplace(*in[k].t);  // (read flat: (N, G) statistics too)
   constexpr size_t R = std::tuple_size_v<decltype(rows(std::array<double, K>{}))>;
   at::Tensor table = at::empty({int64_t(R), C}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "coef_table", [&] {
     scalar_t* out = table.template data_ptr<scalar_t>();
     for (int64_t c = 0; c < C; ++c) {
       std::array<double, K> vc;
-      for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
+      for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[in[k].index(c)] : in[k].fill;
       const auto r = rows(vc);
       for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(r[i]);
     }
   });
   return table;
 }
+
+// GroupNorm mode of the element-wise operators (groups > 0; docs/DESIGN.md
+// section 10): a contiguous (N, C, *) input is the BatchNorm input (1, N C, S)
+// whose channel k = n C + c takes the statistics of (n, group c / (C / G)),
+// entry k / (C / G) of the (N, G) statistics, and the parameters of channel
+// c = k % C. groups = 0: BatchNorm, x as it is.
+struct Groups {
+  int64_t G = 0, N = 0, C = 0;
+  explicit Groups(const at::Tensor& x, int64_t groups) : G(groups) {
+    TORCH_CHECK(groups >= 0, "inplace_abn: groups must be >= 0, got ", groups);
+    if (!G) return;
+    N = x.size(0), C = x.size(1);
+    TORCH_CHECK(C % G == 0, "inplace_abn: groups=", G, " does not divide the ", C, " channels");
+    TORCH_CHECK(x.is_contiguous(), "inplace_abn: groups > 0 (GroupNorm) needs a contiguous input, got strides ",
+                x.strides());
+  }
+  // What the kernels see (of x or a tensor in x's shape and layout; undefined stays so).
+  at::Tensor view(const at::Tensor& t) const { return G && t.defined() && t.numel() ? t.view({1, N * C, -1}) : t; }
+  // A per-group (N, G) statistic: N G values on x's device, read at k / (C / G).
+  ChannelInput stat(const OptTensor& t, double fill, const at::Tensor& x, const char* name) const {
+    if (!G || !t.has_value()) {
+      check_channel_vector(t, x, name);
+      return {t, fill};
+    }
+    TORCH_CHECK(t->numel() == N * G && t->device() == x.device() && at::isFloatingType(t->scalar_type()),
+                "inplace_abn: ", name, " must hold N * groups = ", N * G, " floating point values on ", x.device(),
+                ", got ", t->sizes(), " ", t->scalar_type(), " on ", t->device());
+    return {t, fill, C / G};
+  }
+  // A per-channel (C,) parameter, read at k % C.
+  ChannelInput param(const OptTensor& t, double fill, const at::Tensor& x, const char* name) const {
+    check_channel_vector(t, x, name);
+    return {t, fill, 1, G ? C : 0};
+  }
+};
 
 // Front ends compute their tables under this guard: internal tensors, no
 // autograd or version-counter bookkeeping (1.5 us less per operator call).

@@ -11,13 +11,12 @@ KernelStub forward_stub;
 
 at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var, const OptTensor& weight,
                     const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation,
-                    double activation_param, bool signed_weight, const OptTensor& z_out) {
+                    double activation_param, bool signed_weight, const OptTensor& z_out, int64_t groups) {
   check_input(x, "x");
   const Act act = to_act(activation);
-  check_channel_vector(mean, x, "mean");
-  check_channel_vector(var, x, "var");
-  check_channel_vector(weight, x, "weight");
-  check_channel_vector(bias, x, "bias");
+  const Groups grp(x, groups);
+  const std::array<ChannelInput, 4> in{grp.stat(mean, 0.0, x, "mean"), grp.stat(var, 0.0, x, "var"),
+                                       grp.param(weight, 1.0, x, "weight"), grp.param(bias, 0.0, x, "bias")};
   check_like(residual, x, "residual");
   if (z_out.has_value()) {  // one write of z, in the dtype and memory order the kernel stores it
     check_like(z_out, x, "z_out");
@@ -33,13 +32,14 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
   c10::OptionalDeviceGuard guard(x.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
   const auto acc = acc_type_of(x.scalar_type());
-  const at::Tensor coef = coef_table<4>(x, {{{mean, 0.0}, {var, 0.0}, {weight, 1.0}, {bias, 0.0}}}, [&](const auto& v) {
+  const at::Tensor xv = grp.view(x);
+  const at::Tensor coef = coef_table<4>(xv, in, [&](const auto& v) {
     const auto hi = round_to(v[0], acc);  // the mean as hi + lo
     return std::array{hi, v[0] - hi, gain(v[2], weight.has_value(), eps, signed_weight) * inv_std(v[1], eps), v[3]};
   });
-  forward_stub({.x = x, .residual = like(residual, x), .mask = mask, .coef = coef,
-                .out1 = z_out.has_value() ? *z_out : at::Tensor(),
-                .g = geometry_of(x, "x"), .act = act, .param = activation_param});
+  forward_stub({.x = xv, .residual = grp.view(like(residual, x)), .mask = mask, .coef = coef,
+                .out1 = grp.view(z_out.value_or(at::Tensor())), .g = geometry_of(xv, "x"), .act = act,
+                .param = activation_param});
   return mask;
 }
 

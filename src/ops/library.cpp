@@ -30,11 +30,11 @@ TORCH_LIBRARY(inplace_abn, m) {
   // whose backward needs z (docs/DESIGN.md section 3).
   m.def(
       "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) -> Tensor mask");
+      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0) -> Tensor mask");
   // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone.
   m.def(
       "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) "
+      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0) "
       "-> (Tensor sum_gz, Tensor sum_gz_xhat)");
   // dx = g~ r (gz - k mean_gz - xhat * k mean_gz_xhat), k = sums_scale (so
   // the raw sums S_g, S_gx may be passed with k = 1 / n; k = 0 drops both
@@ -43,7 +43,7 @@ TORCH_LIBRARY(inplace_abn, m) {
   m.def(
       "backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
       "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, "
-      "float activation_param, bool signed_weight, bool residual_grad, float sums_scale=1.0) "
+      "float activation_param, bool signed_weight, bool residual_grad, float sums_scale=1.0, int groups=0) "
       "-> (Tensor dx, Tensor dresidual)");
   // dweight = sum_gz_xhat dg~/dweight in weight's dtype: sign(weight) (0 at 0)
   // in abs mode, 1 in signed mode (docs/DESIGN.md section 2).
@@ -54,7 +54,7 @@ TORCH_LIBRARY(inplace_abn, m) {
   m.def(
       "backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, bool signed_weight, "
-      "bool residual_grad, float sums_scale=1.0) -> Tensor dresidual");
+      "bool residual_grad, float sums_scale=1.0, int groups=0) -> Tensor dresidual");
 }
 
 TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) {

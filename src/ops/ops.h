@@ -15,14 +15,15 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const std::o
 at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& residual, double eps, int64_t activation,
-                    double activation_param, bool signed_weight, const std::optional<at::Tensor>& z_out);
+                    double activation_param, bool signed_weight, const std::optional<at::Tensor>& z_out,
+                    int64_t groups);
 
 std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
                                                    const std::optional<at::Tensor>& weight,
                                                    const std::optional<at::Tensor>& bias,
                                                    const std::optional<at::Tensor>& residual, double eps,
                                                    int64_t activation, double activation_param, bool signed_weight,
-                                                   const std::optional<at::Tensor>& z_out);
+                                                   const std::optional<at::Tensor>& z_out, int64_t groups);
 
 std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
                                                   const at::Tensor& var, const std::optional<at::Tensor>& weight,
@@ -30,7 +31,8 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
                                                   const std::optional<at::Tensor>& residual,
                                                   const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat,
                                                   double eps, int64_t activation, double activation_param,
-                                                  bool signed_weight, bool residual_grad, double sums_scale);
+                                                  bool signed_weight, bool residual_grad, double sums_scale,
+                                                  int64_t groups);
 
 at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, bool signed_weight);
 
@@ -39,7 +41,7 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, con
                                   const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz,
                                   const at::Tensor& mean_gz_xhat, double eps, int64_t activation,
                                   double activation_param, bool signed_weight, bool residual_grad,
-                                  double sums_scale);
+                                  double sums_scale, int64_t groups);
 
 // The same front ends for a device's dispatch key.
 #define IABN_IMPL_ALL(m)                                      \
