@@ -49,6 +49,13 @@ unaffected).
     PYTHONPATH=. python benchmarks/bench_models.py                 # defaults: a few minutes on 2 cores
     PYTHONPATH=. python benchmarks/bench_models.py --quick         # tiny sizes, seconds (smoke test)
     PYTHONPATH=. python benchmarks/bench_models.py --models resnet50 --repeats 30 --json /tmp/models.json
+    PYTHONPATH=. python benchmarks/bench_models.py --breakdown     # and where stock's and converted's step time goes
+    PYTHONPATH=. python benchmarks/bench_models.py --quick --breakdown 2
+
+Breakdown (``--breakdown [STEPS]``, 3 steps unless given): after the timed steps, STEPS
+steps of the stock and converted variants (not checkpoint) run under torch.profiler,
+and every event's self CPU time is classified as norm+act, conv or other
+(benchmarks/breakdown.py, which says what the figures and the per-model bound mean).
 """
 import argparse
 import copy
@@ -73,6 +80,9 @@ for _p in (_ROOT, _HERE, os.path.join(_ROOT, "examples")):
 import inplace_abn  # noqa: E402
 from accuracy_table import cpu_name  # noqa: E402
 from bench_cpu import keep_freed_memory  # noqa: E402
+from breakdown import classify, profile_variants  # noqa: E402,F401  (classify: for the tests)
+from breakdown import table as breakdown_table  # noqa: E402
+from breakdown import header as breakdown_header  # noqa: E402
 from inplace_abn.memory import model_saved_bytes  # noqa: E402
 from synthetic_scenes import SyntheticScenes  # noqa: E402
 from train_segmentation import build_model as build_segmentation  # noqa: E402
@@ -189,8 +199,12 @@ def quartiles(values):
     return q1, med, q3
 
 
-def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, progress=True):
-    """Timings (seconds per step) and saved bytes of the three variants of one model."""
+BREAKDOWN_VARIANTS = ("stock", "converted")
+
+
+def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, progress=True, profile_steps=0):
+    """Timings (seconds per step) and saved bytes of the three variants of one model, and with
+    ``profile_steps`` the breakdown of stock and converted (under the key "breakdown")."""
     models, classes = build_variants(name)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, size, size, generator=g)
@@ -199,9 +213,12 @@ def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, pro
     mem = {v: saved_bytes(m, x) for v, m in models.items()}
     steps = {v: make_step(m, x, target) for v, m in models.items()}
     times = time_interleaved(steps, repeats, warmup, f"{name} b{batch} {size}px", progress)
+    out = {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}
+    if profile_steps:
+        out["breakdown"] = profile_variants({v: steps[v] for v in BREAKDOWN_VARIANTS}, profile_steps)
     del models, steps
     gc.collect()
-    return {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}
+    return out
 
 
 def time_interleaved(steps, repeats: int, warmup: int, desc: str, progress=True):
@@ -270,6 +287,8 @@ def parse_args(argv=None):
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default allocation heuristics")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results (all step times) here")
+    ap.add_argument("--breakdown", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+                    help="then profile STEPS steps (default 3) of stock and converted: norm+act / conv / other")
     args = ap.parse_args(argv)
     if args.quick:
         args.batch = args.batch or QUICK["batch"]
@@ -281,6 +300,8 @@ def parse_args(argv=None):
         ap.error("--repeats must be at least 2 (for the interquartile range)")
     if args.warmup < 0:
         ap.error("--warmup must not be negative")
+    if args.breakdown < 0:
+        ap.error("--breakdown takes a positive number of steps")
     return args
 
 
@@ -294,11 +315,20 @@ def main(argv=None):
     for name in args.models:
         _, _, batch, size = MODELS[name]
         batch, size = args.batch or batch, args.size or size
-        variants = bench_model(name, batch, size, args.repeats, args.warmup, progress=not args.no_progress)
-        rows.append({"model": name, "batch": batch, "size": size, "variants": variants})
+        variants = bench_model(name, batch, size, args.repeats, args.warmup, progress=not args.no_progress,
+                               profile_steps=args.breakdown)
+        row = {"model": name, "batch": batch, "size": size}
+        if args.breakdown:
+            row["breakdown"] = variants.pop("breakdown")
+        rows.append({**row, "variants": variants})
     head = header(args, allocator)
     print(head)
     print(table(rows), flush=True)
+    if args.breakdown:
+        print()
+        print(breakdown_header(args.breakdown))
+        print(breakdown_table([(f"{r['model']} {r['batch']} x {r['size']}", r["breakdown"]) for r in rows]),
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": head, "torch": torch.__version__, "threads": torch.get_num_threads(),

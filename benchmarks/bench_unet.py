@@ -30,6 +30,13 @@ median and ratio to stock.
 
     PYTHONPATH=. python benchmarks/bench_unet.py            # ~2 min on 2 cores
     PYTHONPATH=. python benchmarks/bench_unet.py --quick    # seconds
+    PYTHONPATH=. python benchmarks/bench_unet.py --breakdown              # and where the step time goes
+    PYTHONPATH=. python benchmarks/bench_unet.py --quick --breakdown 2
+
+Breakdown (``--breakdown [STEPS]``, 3 steps unless given): after the timed steps, STEPS
+steps of stock and converted (not "norm1 kept") run under torch.profiler, every event's
+self CPU time classified as norm+act, conv or other (benchmarks/breakdown.py, which says
+what the figures and the bound mean).
 """
 import argparse
 import copy
@@ -44,7 +51,10 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # bench_models puts the repository and examples/ on the path too
-from bench_models import MiB, header, keep_freed_memory, quartiles, time_interleaved  # noqa: E402
+from bench_models import BREAKDOWN_VARIANTS, MiB, header, keep_freed_memory, quartiles, time_interleaved  # noqa: E402
+from breakdown import header as breakdown_header  # noqa: E402
+from breakdown import profile_variants  # noqa: E402
+from breakdown import table as breakdown_table  # noqa: E402
 
 import inplace_abn  # noqa: E402
 from inplace_abn._convert_analysis import module_activation  # noqa: E402
@@ -159,7 +169,7 @@ def make_step(model: nn.Module, batch: int, size: int):
     return step
 
 
-def bench(batch: int, size: int, repeats: int, warmup: int, progress=True):
+def bench(batch: int, size: int, repeats: int, warmup: int, progress=True, profile_steps=0):
     models, report = build_variants(size)
     g = torch.Generator().manual_seed(2)
     inputs = (torch.randn(batch, 3, size, size, generator=g), torch.randint(0, TIMESTEPS, (batch,), generator=g))
@@ -169,8 +179,9 @@ def bench(batch: int, size: int, repeats: int, warmup: int, progress=True):
         raise RuntimeError(f"pair_bound counted {stock_bytes} bytes for stock, model_saved_bytes {mem['stock']}")
     steps = {v: make_step(m, batch, size) for v, m in models.items()}
     times = time_interleaved(steps, repeats, warmup, f"unet b{batch} {size}px", progress)
+    breakdown = profile_variants({v: steps[v] for v in BREAKDOWN_VARIANTS}, profile_steps) if profile_steps else None
     clone_bytes, clone_s = clone_cost(models["stock"], *inputs)
-    return {"clone_bytes": clone_bytes, "clone_s": clone_s, "batch": batch, "size": size, "pairs": pairs, "bound_bytes": bound, "report": report.summary(),
+    return {"breakdown": breakdown, "clone_bytes": clone_bytes, "clone_s": clone_s, "batch": batch, "size": size, "pairs": pairs, "bound_bytes": bound, "report": report.summary(),
             "variants": {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}}
 
 
@@ -204,14 +215,16 @@ def parse_args(argv=None):
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default allocation heuristics")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    ap.add_argument("--breakdown", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+                    help="then profile STEPS steps (default 3) of stock and converted: norm+act / conv / other")
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.size = QUICK["batch"], QUICK["size"]
     for key, default in (("repeats", 10), ("warmup", 2)):
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else default)
-    if args.repeats < 2 or args.warmup < 0 or args.size % 8:
-        ap.error("--repeats must be at least 2, --warmup not negative, --size a multiple of 8")
+    if args.repeats < 2 or args.warmup < 0 or args.size % 8 or args.breakdown < 0:
+        ap.error("--repeats must be at least 2, --warmup and --breakdown not negative, --size a multiple of 8")
     return args
 
 
@@ -224,13 +237,18 @@ def main(argv=None):
     kept = False if args.system_malloc else keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
-    row = bench(args.batch, args.size, args.repeats, args.warmup, progress=not args.no_progress)
+    row = bench(args.batch, args.size, args.repeats, args.warmup, progress=not args.no_progress,
+                profile_steps=args.breakdown)
     head = header(args, "freed memory kept (mallopt)" if kept else "system defaults")
     print(head)
     native = torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::gn_forward_", "CPU")
     print(f"UNet2DModel {args.batch} x 3 x {args.size} x {args.size}; InPlaceAGN CPU kernels: "
           f"{'native' if native else 'pure PyTorch (no native GroupNorm kernel registered)'}; {row['report']}")
     print(table(row), flush=True)
+    if args.breakdown:
+        print()
+        print(breakdown_header(args.breakdown))
+        print(breakdown_table([(f"unet {args.batch} x {args.size}", row["breakdown"])]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": head, "isa": torch.backends.cpu.get_cpu_capability(), **row}, f, indent=1)

@@ -1,5 +1,5 @@
 """benchmarks/bench_models.py: the checkpoint variant's memory method, the variants'
-shared initial weights, and a quick run end to end."""
+shared initial weights, the --breakdown classification and profile, and quick runs end to end."""
 import copy
 import importlib.util
 import json
@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
+
+import inplace_abn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_models.py")
@@ -75,3 +78,86 @@ def test_quick_run_prints_one_table_and_writes_json(tmp_path):
     stock = v["stock"]["saved_bytes"]
     assert v["converted"]["saved_bytes"] <= 0.5 * stock
     assert v["checkpoint"]["saved_bytes"] < v["converted"]["saved_bytes"]
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("aten::native_batch_norm", "norm+act"),
+    ("aten::batch_norm", "norm+act"),
+    ("aten::native_batch_norm_backward", "norm+act"),
+    ("aten::native_group_norm_backward", "norm+act"),
+    ("inplace_abn::backward_reduce", "norm+act"),
+    ("inplace_abn::gn_forward_", "norm+act"),
+    ("_InPlaceABNFunction", "norm+act"),
+    ("_InPlaceABNFunctionBackward", "norm+act"),
+    ("autograd::engine::evaluate_function: _InPlaceAGNFunctionBackward", "norm+act"),
+    ("autograd::engine::evaluate_function: NativeBatchNormBackward0", "norm+act"),
+    ("NativeGroupNormBackward0", "norm+act"),
+    ("aten::relu_", "norm+act"),
+    ("aten::clamp_min_", "norm+act"),
+    ("aten::threshold_backward", "norm+act"),
+    ("LeakyReluBackward1", "norm+act"),
+    ("autograd::engine::evaluate_function: SiluBackward0", "norm+act"),
+    ("aten::silu_backward", "norm+act"),
+    ("aten::elu", "norm+act"),
+    ("aten::mkldnn_convolution", "conv"),
+    ("aten::conv2d", "conv"),
+    ("aten::convolution_backward", "conv"),
+    ("autograd::engine::evaluate_function: ConvolutionBackward0", "conv"),
+    ("aten::addmm", "other"),
+    ("aten::copy_", "other"),
+    ("aten::add_", "other"),
+    ("aten::empty_strided", "other"),
+    ("aten::gelu", "other"),
+    ("aten::native_layer_norm", "other"),
+    ("aten::_convert_indices_from_coo_to_csr", "other"),
+    ("Optimizer.step#SGD.step", "other"),
+])
+def test_classify_event_names(name, cls):
+    assert _load().classify(name) == cls
+
+
+def test_breakdown_of_a_small_model_sums_and_sees_both_norms():
+    bm = _load()
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), _block(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
+    converted = inplace_abn.convert_model(stock, activation="leaky_relu", activation_param=0.01)
+    x, target = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    steps = {"stock": bm.make_step(stock, x, target), "converted": bm.make_step(converted, x, target)}
+    bd = bm.profile_variants(steps, 2)
+    assert list(bd) == ["stock", "converted"]
+    for v, r in bd.items():
+        parts = r["norm+act_ms"] + r["conv_ms"] + r["other_ms"]
+        assert abs(parts - r["step_ms"]) <= 0.01 * r["step_ms"], (v, r)
+        assert r["norm+act_ms"] > 0 and r["conv_ms"] > 0 and r["other_ms"] > 0, (v, r)
+        assert -0.01 * r["step_ms"] <= r["untraced_ms"] < r["other_ms"], (v, r)
+        # the parts are the classified events' self times
+        for cls in ("norm+act", "conv"):
+            assert r[cls + "_ms"] == pytest.approx(sum(ms for ms, c in r["events"].values() if c == cls))
+        assert all(c == bm.classify(name) for name, (_, c) in r["events"].items())
+    stock_ev, conv_ev = bd["stock"]["events"], bd["converted"]["events"]
+    assert any(n.startswith("inplace_abn::") for n in conv_ev)
+    assert not any(n.startswith("inplace_abn::") for n in stock_ev)
+    assert "aten::native_batch_norm" in stock_ev and "aten::native_batch_norm" not in conv_ev
+    d = bm.breakdown_table([("tiny", bd)])
+    assert d.splitlines()[2].startswith("| tiny | stock | ") and "tiny: bound" in d
+
+
+def test_quick_breakdown_prints_and_writes_it(tmp_path):
+    out = tmp_path / "models.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--models", "deeplabv3_resnet18", "--threads", "2",
+                           "--no-progress", "--breakdown", "1", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("breakdown: "))
+    assert f"torch {torch.__version__}, 2 threads, CPU " in lines[i]
+    assert f"ISA {torch.backends.cpu.get_cpu_capability()}" in lines[i] and "1 profiled steps" in lines[i]
+    assert [ln.split(" | ")[1] for ln in lines[i + 3:i + 5]] == ["stock", "converted"]
+    assert lines[i + 6].startswith("deeplabv3_resnet18 2 x 32: bound")
+    (row,) = json.loads(out.read_text())["results"]
+    assert set(row["variants"]) == {"stock", "converted", "checkpoint"}
+    bd = row["breakdown"]
+    assert set(bd) == {"stock", "converted"} and all(bd[v]["steps"] == 1 for v in bd)
+    assert any(n.startswith("inplace_abn::") for n in bd["converted"]["events"])

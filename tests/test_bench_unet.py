@@ -1,4 +1,5 @@
-"""benchmarks/bench_unet.py: the upper bound of the GroupNorm pair conversion, and a quick run."""
+"""benchmarks/bench_unet.py: the upper bound of the GroupNorm pair conversion, and a quick run
+(with a one-step --breakdown)."""
 import importlib.util
 import json
 import os
@@ -42,11 +43,12 @@ def test_pair_bound_keeps_each_pair_output_and_what_others_save():
     assert bound <= model_saved_bytes(converted, x) <= 1.05 * bound
 
 
-def test_quick_run_prints_the_table_and_meets_the_bound(tmp_path):
+def test_quick_run_prints_the_tables_and_meets_the_bound(tmp_path):
     _load()
     out = tmp_path / "unet.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--threads", "1", "--no-progress", "--json", str(out)],
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--threads", "1", "--no-progress", "--breakdown", "1",
+                           "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"ISA {torch.backends.cpu.get_cpu_capability()}" in proc.stdout
@@ -55,3 +57,15 @@ def test_quick_run_prints_the_table_and_meets_the_bound(tmp_path):
     assert bound <= v["converted"]["saved_bytes"] <= 1.05 * bound
     assert v["converted"]["saved_bytes"] < v["norm1 kept"]["saved_bytes"] < v["stock"]["saved_bytes"]
     assert v["converted"]["saved_bytes"] <= 0.65 * v["stock"]["saved_bytes"]
+    # the breakdown: stock and converted only; stock's GroupNorm and SiLU seen, ours in converted
+    lines = proc.stdout.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("breakdown: "))
+    assert [ln.split(" | ")[1] for ln in lines[i + 3:i + 5]] == ["stock", "converted"]
+    assert lines[i + 6].startswith("unet 2 x 32: bound")
+    bd = res["breakdown"]
+    assert set(bd) == {"stock", "converted"}
+    for r in bd.values():
+        assert r["steps"] == 1 and r["norm+act_ms"] > 0 and r["conv_ms"] > 0
+        assert r["norm+act_ms"] + r["conv_ms"] + r["other_ms"] == pytest.approx(r["step_ms"], rel=0.01)
+    assert "aten::native_group_norm" in bd["stock"]["events"] and "aten::silu" in bd["stock"]["events"]
+    assert any(n.startswith("inplace_abn::") for n in bd["converted"]["events"])
