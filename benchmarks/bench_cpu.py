@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,8 @@ import torch.nn as nn
 import inplace_abn
 from inplace_abn import InPlaceABN
 
-ACT = {"leaky_relu": lambda: nn.LeakyReLU(0.01, inplace=True), "silu": lambda: nn.SiLU(inplace=True)}
+ACT = {"leaky_relu": lambda: nn.LeakyReLU(0.01, inplace=True), "silu": lambda: nn.SiLU(inplace=True),
+       "relu": lambda: nn.ReLU(inplace=True)}
 
 
 def keep_freed_memory() -> bool:
@@ -119,9 +121,11 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
 
 
 def cases(quick):
+    """(shape, activation, channels_last); relu (not invertible: the one-pass z path, docs/DESIGN.md
+    section 3) at the first shape only."""
     shapes = [(4, 16, 14, 14), (2, 32, 7, 7), (256, 64)] if quick else [(16, 64, 56, 56), (16, 512, 7, 7), (4096, 512)]
-    for shape in shapes:
-        for activation in ("leaky_relu", "silu"):
+    for k, shape in enumerate(shapes):
+        for activation in ("leaky_relu", "silu") + (("relu",) if k == 0 else ()):
             for cl in (False, True):
                 if not cl or len(shape) == 4:
                     yield shape, activation, cl
@@ -154,6 +158,8 @@ def compare(args):
 
 
 def main():
+    # a relu layer saves no memory and warns so once; here it is timed all the same
+    warnings.filterwarnings("ignore", message="In-place ABN with relu", category=RuntimeWarning)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
