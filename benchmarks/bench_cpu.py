@@ -18,6 +18,7 @@ measurements alike; --system-malloc keeps glibc's defaults and prints the
 page faults per step.
 
     python benchmarks/bench_cpu.py [--threads 2] [--repeats 20] [--quick] [--system-malloc]
+                                   [--shapes 16x64x56x56,...]
 
 --compare OLD_ROOT times "ours" for this checkout's build against another
 build of the package (a checkout whose inplace_abn/ holds its own built _C,
@@ -120,11 +121,13 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
     return t_ours - t_clone, t_stock, t_floor, f_ours, f_stock
 
 
-def cases(quick):
+def cases(quick, only=None):
     """(shape, activation, channels_last); relu (not invertible: the one-pass z path, docs/DESIGN.md
-    section 3) at the first shape only."""
+    section 3) at the first shape only. ``only``: the shapes to keep, as "16x64x56x56,4096x512"."""
     shapes = [(4, 16, 14, 14), (2, 32, 7, 7), (256, 64)] if quick else [(16, 64, 56, 56), (16, 512, 7, 7), (4096, 512)]
     for k, shape in enumerate(shapes):
+        if only and "x".join(map(str, shape)) not in only.split(","):
+            continue
         for activation in ("leaky_relu", "silu") + (("relu",) if k == 0 else ()):
             for cl in (False, True):
                 if not cl or len(shape) == 4:
@@ -140,7 +143,8 @@ def compare(args):
         for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
             env = dict(os.environ, PYTHONPATH=roots[name], INPLACE_ABN_BACKEND="native")
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(args.threads),
-                   "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+                   "--repeats", str(args.repeats)] + (["--quick"] if args.quick else []) + (
+                ["--shapes", args.shapes] if args.shapes else [])
             out = subprocess.run(cmd, env=env, cwd=roots[name], check=True, capture_output=True, text=True).stdout
             res = json.loads(out.strip().splitlines()[-1])
             assert res["file"].startswith(roots[name]), res["file"]
@@ -149,7 +153,7 @@ def compare(args):
           f"float32, ours (forward + backward) ms: median over {args.rounds} interleaved rounds of {args.repeats} steps")
     print("| shape | activation | layout | new ms | old ms | new/old |")
     print("|---|---|---|---|---|---|")
-    for k, (shape, activation, cl) in enumerate(cases(args.quick)):
+    for k, (shape, activation, cl) in enumerate(cases(args.quick, args.shapes)):
         new = statistics.median(t[k] for t in times["new"])
         old = statistics.median(t[k] for t in times["old"])
         layout = "channels_last" if cl else "contiguous"
@@ -167,6 +171,7 @@ def main():
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default allocation heuristics")
     ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
     ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
+    ap.add_argument("--shapes", help="only these shapes, e.g. 16x64x56x56,4096x512")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     kept = False if args.system_malloc else keep_freed_memory()
@@ -174,7 +179,8 @@ def main():
     if args.compare:
         return compare(args)
     if args.worker:
-        ours = [bench(shape, act, cl, args.repeats, ours_only=True) for shape, act, cl in cases(args.quick)]
+        ours = [bench(shape, act, cl, args.repeats, ours_only=True)
+                for shape, act, cl in cases(args.quick, args.shapes)]
         print(json.dumps({"file": inplace_abn.__file__, "ours": ours}))
         return
     if args.quick:
@@ -184,7 +190,7 @@ def main():
           f"allocator: {'freed memory kept (mallopt)' if kept else 'system defaults'}")
     print("| shape | activation | layout | ours ms | stock ms | 4-clone ms | ours/floor | ours/stock | faults/step ours, stock |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for shape, activation, cl in cases(args.quick):
+    for shape, activation, cl in cases(args.quick, args.shapes):
         t_ours, t_stock, t_floor, f_ours, f_stock = bench(shape, activation, cl, args.repeats)
         layout = "channels_last" if cl else "contiguous"
         print(f"| {'x'.join(map(str, shape))} | {activation} | {layout} | {t_ours * 1e3:.2f} | "
