@@ -80,7 +80,7 @@ for _p in (_ROOT, _HERE, os.path.join(_ROOT, "examples")):
 import inplace_abn  # noqa: E402
 from accuracy_table import cpu_name  # noqa: E402
 from bench_cpu import keep_freed_memory  # noqa: E402
-from breakdown import classify, profile_variants  # noqa: E402,F401  (classify: for the tests)
+from breakdown import profile_variants  # noqa: E402
 from breakdown import table as breakdown_table  # noqa: E402
 from breakdown import header as breakdown_header  # noqa: E402
 from inplace_abn.memory import model_saved_bytes  # noqa: E402

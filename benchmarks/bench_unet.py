@@ -181,7 +181,8 @@ def bench(batch: int, size: int, repeats: int, warmup: int, progress=True, profi
     times = time_interleaved(steps, repeats, warmup, f"unet b{batch} {size}px", progress)
     breakdown = profile_variants({v: steps[v] for v in BREAKDOWN_VARIANTS}, profile_steps) if profile_steps else None
     clone_bytes, clone_s = clone_cost(models["stock"], *inputs)
-    return {"breakdown": breakdown, "clone_bytes": clone_bytes, "clone_s": clone_s, "batch": batch, "size": size, "pairs": pairs, "bound_bytes": bound, "report": report.summary(),
+    return {"breakdown": breakdown, "clone_bytes": clone_bytes, "clone_s": clone_s, "batch": batch, "size": size,
+            "pairs": pairs, "bound_bytes": bound, "report": report.summary(),
             "variants": {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}}
 
 

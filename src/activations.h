@@ -22,7 +22,7 @@
 // GCC keeps the SiLU inverse out of line in the AVX2 kernels where it is
 // called from the 4-way unrolled planar reduction (a call per vector, the
 // vectors through memory); forced inline there: backward_reduce SiLU
-// 16x64x56x56 contiguous, 1 thread, 11.1 -> 8.7 ms (AVX512 inlines it anyway;
+// 16x64x56x56 contiguous, 1 thread, 11.1 -> 8.6 ms (AVX512 inlines it anyway;
 // forcing it there cost 6% channels-last).
 #if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
 #define IABN_SILU_INVERSE_INLINE __attribute__((always_inline))
