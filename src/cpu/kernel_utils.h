@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -609,28 +610,30 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     const int64_t RP = (R + W + 15) / 16 * 16;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
       const Elem el = elem;
-      // 64-byte aligned accumulators: unaligned vector stores split lines
-      std::vector<double> dmem(2 * RP + 8);
+      // 64-byte aligned accumulators: unaligned vector stores split lines. The
+      // compute-type sums are zeroed once (each flush clears them), the double
+      // ones not at all (a unit's first flush stores): at small shapes these
+      // clears were writing six times the data (2x32x7x7: 77 KB per call).
+      std::unique_ptr<double[]> dmem(new double[2 * RP + 8]);
       std::vector<F> fmem(2 * RP + 64 / sizeof(F));
       auto align = [](auto* p) {
         using P = std::remove_pointer_t<decltype(p)>;
         const uintptr_t mis = reinterpret_cast<uintptr_t>(p) % 64;
         return mis == 0 ? p : p + (64 - mis) / sizeof(P);
       };
-      double* const dacc = align(dmem.data());
+      double* const dacc = align(dmem.get());
       F* const facc = align(fmem.data());
-      auto flush = [&]() {  // double += compute type, then clear the latter
+      auto flush = [&](bool first) {  // double (+)= compute type, then clear the latter
         for (int64_t j = 0; j < 2 * RP; j += W) {
           DPair<F> d = todp(V::loadu(facc + j));
-          for (int k = 0; k < NP; ++k) (D::loadu(dacc + j + k * H) + d.v[k]).store(dacc + j + k * H);
+          for (int k = 0; k < NP; ++k)
+            (first ? d.v[k] : D::loadu(dacc + j + k * H) + d.v[k]).store(dacc + j + k * H);
           V(F(0)).store(facc + j);
         }
       };
       Coef<F, K, true> co;  // every super-row starts at offset 0 of the pattern
       for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], 0);
       for (int64_t u = u0; u < u1; ++u) {
-        std::fill(dacc, dacc + 2 * RP, 0.0);
-        std::fill(facc, facc + 2 * RP, F(0));
         const int64_t r0 = u * br, r1 = std::min(nsr, (u + 1) * br);
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t e = r * R;
@@ -643,7 +646,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
             (V::loadu(p1) + uu).store(p1);
             at::vec::fmadd(uu, vv, V::loadu(p2)).store(p2);
           });
-          if ((r - r0) % kRowGroup == kRowGroup - 1 || r + 1 == r1) flush();
+          if ((r - r0) % kRowGroup == kRowGroup - 1 || r + 1 == r1) flush(r - r0 < kRowGroup);
         }
         // fold the super-row to channels (a fixed order: rows, then positions)
         double* o = buf.data() + 2 * C * u;
