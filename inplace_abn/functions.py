@@ -168,18 +168,19 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
         raise ValueError(f"{op}: weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
     if not eps > 0:
         raise ValueError(f"{op}: eps must be > 0, got {eps}")
-    C = x.shape[1]
-    for name, t in per_channel.items():
+    C, device = x.shape[1], x.device
+    shape = (C,)
+    for name, t in per_channel.items():  # (a hot loop: ~1 us per layer call)
         if t is None:
             continue
-        if t.dim() != 1 or t.shape[0] != C:
+        if t.shape != shape:
             raise ValueError(
                 f"{op}: the input has {C} channels but {name} has shape {list(t.shape)} "
                 f"(expected [{C}])"
             )
         if not t.is_floating_point():
             raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
-        if t.device != x.device:
+        if t.device != device:
             raise ValueError(f"{op}: {name} is on {t.device} but the input is on {x.device}")
     if residual is not None:
         if residual.shape != x.shape:
@@ -450,7 +451,38 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     momentum = 0.0 if momentum is None else float(momentum)
     args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
             float(activation_param), weight_mode == "signed", group)
+    if group is None and _native_autograd(x, (x, weight, bias, residual)):
+        return _apply_native(*args[:-1])
     return _run(_InPlaceABNFunction, args, (x, weight, bias, residual))
+
+
+def _native_autograd(x, differentiable) -> bool:
+    """Whether a local call runs ``torch.ops.inplace_abn.inplace_abn_``, whose autograd is
+    in C++ (src/ops/autograd.cpp): eager, a backward to record, the native backend for x's
+    device and an x the kernels can write in place. torch.compile traces
+    `_InPlaceABNFunction` instead (the same steps), and calls that need no backward run its
+    forward directly (`_run`)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    for t in differentiable:
+        if t is not None and t.requires_grad:
+            return (x.is_contiguous() or _pure.is_channels_last(x)) and _backend.ops_for(x) is _backend.NATIVE
+    return False
+
+
+def _apply_native(x, weight, bias, running_mean, running_var, residual, training, momentum, eps, activation,
+                  activation_param, signed):
+    invertible, act = _activation_code(activation, activation_param)
+    if training:
+        C = x.shape[1]
+        check_count(x.numel() // C if C else 0, x.shape)
+    if residual is not None:
+        residual = _like_layout(residual, x)
+    return _NATIVE_ABN(x, weight, bias, running_mean, running_var, residual, training, momentum, eps, act,
+                       activation_param, signed, not invertible)
+
+
+_NATIVE_ABN = torch.ops.inplace_abn.inplace_abn_.default if _backend.HAS_NATIVE else None
 
 
 class _NoGradCtx:

@@ -48,6 +48,14 @@ TORCH_LIBRARY(inplace_abn, m) {
   // dweight = sum_gz_xhat dg~/dweight in weight's dtype: sign(weight) (0 at 0)
   // in abs mode, 1 in signed mode (docs/DESIGN.md section 2).
   m.def("weight_grad(Tensor sum_gz_xhat, Tensor weight, bool signed_weight) -> Tensor");
+  // The whole local layer with its autograd in C++ (src/ops/autograd.cpp): batch
+  // statistics and running-statistics update (training), forward_ into x; the
+  // backward runs backward_reduce, backward_input and weight_grad. relu: the
+  // non-invertible ReLU (activation 0), whose z is kept for backward.
+  m.def(
+      "inplace_abn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
+      "Tensor? residual, bool training, float momentum, float eps, int activation, float activation_param, "
+      "bool signed_weight, bool relu=False) -> Tensor(a!)");
   // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce
   // stored z = f^-1(y) in z_out; the dx of backward_input from z, written over z
   // (so the second pass skips the inversion and allocates nothing). Returns dresidual.

@@ -1,0 +1,159 @@
+// inplace_abn::inplace_abn_: a local (unsynchronised) In-Place ABN layer with its
+// autograd in C++. The steps are those of _InPlaceABNFunction in
+// inplace_abn/functions.py, which stays the path for torch.compile, the
+// synchronised layer and the pure backend; eager calls on the native backend
+// come here and save the Python autograd.Function and four Python-level op
+// calls: about 35 us of host time per training step (docs/DESIGN.md section 7.4).
+// The argument checks stay in Python (they raise before anything is written).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "ops/common.h"
+#include "ops/ops.h"
+
+namespace inplace_abn {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The operators, called through the dispatcher (not the C++ front ends
+// directly) so that dispatch modes, profilers and op counts see them.
+template <auto& Fn>
+auto handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<std::remove_reference_t<decltype(Fn)>>();
+}
+struct Ops {
+  decltype(handle<batch_stats>("")) stats = handle<batch_stats>("inplace_abn::batch_stats");
+  decltype(handle<forward_>("")) fwd = handle<forward_>("inplace_abn::forward_");
+  decltype(handle<backward_reduce>("")) reduce = handle<backward_reduce>("inplace_abn::backward_reduce");
+  decltype(handle<backward_input>("")) input = handle<backward_input>("inplace_abn::backward_input");
+  decltype(handle<backward_input_from_z_>("")) input_z =
+      handle<backward_input_from_z_>("inplace_abn::backward_input_from_z_");
+  decltype(handle<weight_grad>("")) wgrad = handle<weight_grad>("inplace_abn::weight_grad");
+};
+const Ops& ops() {
+  static const Ops o;
+  return o;
+}
+
+OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// Index of the autograd edge of each tensor argument (undefined optionals have none).
+struct Edges {
+  int64_t x = 0, weight = -1, bias = -1, residual = -1;
+  Edges(const OptTensor& w, const OptTensor& b, const OptTensor& rm, const OptTensor& rv, const OptTensor& r) {
+    int64_t n = 1;
+    auto next = [&](const OptTensor& t) { return t.has_value() && t->defined() ? n++ : int64_t(-1); };
+    weight = next(w);
+    bias = next(b);
+    next(rm);
+    next(rv);
+    residual = next(r);
+  }
+};
+
+struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
+  // relu: the non-invertible activation (act must be 0): z is kept, x gets max(z, 0)
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
+                            const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
+                            bool training, double momentum, double eps, int64_t act, double param,
+                            bool signed_weight, bool relu) {
+    at::Tensor mean, var;
+    if (training) {  // (the count check is the caller's; batch_stats moves the running statistics)
+      std::tie(mean, var) = ops().stats.call(x, running_mean, running_var, momentum);
+    } else {  // a copy: a later update of the running statistics must not change the saved var
+      TORCH_CHECK(running_mean.has_value() && running_var.has_value(),
+                  "inplace_abn: evaluation mode needs running_mean and running_var");
+      mean = *running_mean;
+      var = running_var->clone();
+    }
+    at::Tensor saved = x, mask;
+    if (relu) {  // z in the accumulation dtype, in x's layout (docs/DESIGN.md section 3)
+      saved = at::empty_like(x, x.options().dtype(acc_type_of(x.scalar_type())));
+      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, saved, 0);
+    } else {
+      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0);
+    }
+    const int64_t C = x.size(1);
+    ctx->save_for_backward({saved, var, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+                            residual.value_or(at::Tensor()), mask});
+    const Edges e(weight, bias, running_mean, running_var, residual);
+    ctx->saved_data["i"] = std::vector<int64_t>{act, C ? x.numel() / C : 0, static_cast<int64_t>(x.scalar_type()),
+                                                e.weight, e.bias, e.residual};
+    ctx->saved_data["f"] = std::vector<double>{eps, param};
+    ctx->saved_data["b"] = c10::List<bool>({training, signed_weight, relu});
+    ctx->mark_dirty({x});
+    return x;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "inplace_abn does not support double backward (create_graph=True, e.g. a gradient penalty): its "
+                "backward is not differentiable, so second derivatives would be wrong. Use the non-in-place ABN "
+                "layer (BatchNorm + activation) where second derivatives are needed");
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &y = s[0], &var = s[1], &weight = s[2], &bias = s[3], &residual = s[4], &mask = s[5];
+    const auto iv = ctx->saved_data["i"].toIntVector();
+    const auto fv = ctx->saved_data["f"].toDoubleVector();
+    const auto bv = ctx->saved_data["b"].toBoolList();
+    const int64_t act = iv[0], count = iv[1];
+    const auto dtype = static_cast<at::ScalarType>(iv[2]);
+    const double eps = fv[0], p = fv[1];
+    const bool training = bv[0], signed_weight = bv[1], relu = bv[2];
+    auto needs = [&](int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); };
+    const bool need_x = ctx->needs_input_grad(0), need_w = needs(iv[3]), need_b = needs(iv[4]),
+               need_r = needs(iv[5]);
+    const OptTensor w = opt(weight), b = opt(bias), r = opt(residual);
+
+    at::Tensor dy = like(grads[0], y);  // y's layout (and, for ReLU, z's dtype), once for both passes
+    if (relu) dy = at::threshold_backward(dy, y, 0);
+    // The sums feed dweight, dbias and, in training, dx; in eval mode with frozen
+    // parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
+    const bool reduce = need_w || need_b || (training && (need_x || need_r));
+    // SiLU on the CPU: the reduce pass keeps z, the input pass starts from it (section 7.2)
+    const bool keep_z = reduce && need_x && act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
+                        (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
+    const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
+    at::Tensor sum_gz, sum_gzx, dx, dr;
+    if (reduce) std::tie(sum_gz, sum_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0);
+    if (need_x || need_r) {
+      // training: the kernel scales the raw sums by 1/n; eval: the statistics are
+      // constants, scale 0 drops these (any (C,) tensor)
+      const at::Tensor& g1 = training ? sum_gz : var;
+      const at::Tensor& g2 = training ? sum_gzx : var;
+      const double scale = training && count ? 1.0 / static_cast<double>(count) : 0.0;
+      if (keep_z) {
+        dx = z;
+        dr = ops().input_z.call(z, dy, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r, scale, 0);
+      } else {
+        std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r,
+                                            scale, 0);
+      }
+      dx = need_x ? dx.to(dtype) : at::Tensor();
+      dr = need_r ? dr.to(dtype) : at::Tensor();
+    }
+    at::Tensor dw, db;
+    if (need_w) dw = signed_weight ? sum_gzx.to(weight.scalar_type()) : ops().wgrad.call(sum_gzx, weight, false);
+    if (need_b) db = sum_gz.to(bias.scalar_type());
+    // one entry per forward argument
+    return {dx, dw, db, at::Tensor(), at::Tensor(), dr, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                        const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
+                        bool training, double momentum, double eps, int64_t activation, double activation_param,
+                        bool signed_weight, bool relu) {
+  TORCH_CHECK(!relu || activation == 0, "inplace_abn: relu=True needs activation 0 (identity), got ", activation);
+  return InPlaceABNFunction::apply(x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
+                                   activation, activation_param, signed_weight, relu);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(inplace_abn, CompositeImplicitAutograd, m) { m.impl("inplace_abn_", &inplace_abn_); }
+
+}  // namespace inplace_abn

@@ -1,0 +1,94 @@
+"""The C++ autograd path (``torch.ops.inplace_abn.inplace_abn_``, src/ops/autograd.cpp)
+against the Python one (``_InPlaceABNFunction``): eager calls on the native backend take
+the former, torch.compile and the synchronised layer the latter; both run the same
+kernels, so every output, gradient and running statistic must agree bit for bit.
+The accuracy against stock PyTorch is tested (through the C++ path) in test_accuracy.py.
+"""
+import pytest
+import torch
+
+import inplace_abn
+from inplace_abn import InPlaceABN, functions
+from cases import make_case
+
+pytestmark = pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
+
+
+def _run(case, fmt, training, activation, p, weight_mode, residual, needs, python_path, monkeypatch):
+    """(y, grads of the tensors named in ``needs``, running stats) through one path."""
+    with monkeypatch.context() as m:
+        if python_path:
+            m.setattr(functions, "_native_autograd", lambda x, differentiable: False)
+        x0 = case["x"].clone().contiguous(memory_format=fmt).requires_grad_("x" in needs)
+        w = case["w"].clone().requires_grad_("w" in needs)
+        b = case["b"].clone().requires_grad_("b" in needs)
+        r = (case["residual"].clone().contiguous(memory_format=fmt).requires_grad_("r" in needs)
+             if residual else None)
+        rm, rv = case["rm"].clone(), case["rv"].clone()
+        x = x0.clone(memory_format=torch.preserve_format) if x0.requires_grad else x0.clone()
+        y = functions.inplace_abn(x, w, b, rm, rv, training, 0.1, 1e-5, activation, p, residual=r,
+                                  weight_mode=weight_mode)
+        node = type(y.grad_fn).__name__ + str(y.grad_fn.name())
+        leaves = {"x": x0, "w": w, "b": b, "r": r}
+        y.backward(case["dy"].contiguous(memory_format=fmt))
+        grads = {k: leaves[k].grad for k in needs}
+        return y.detach().clone(), grads, (rm, rv), node
+
+
+@pytest.mark.filterwarnings("ignore:In-place ABN with relu is not invertible")
+@pytest.mark.parametrize("activation,p", [("identity", 0.0), ("leaky_relu", 0.1), ("elu", 0.8), ("silu", 0.0),
+                                          ("relu", 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("needs,residual,weight_mode", [
+    ("xwb", False, "abs"), ("xwbr", True, "signed"), ("x", False, "abs"), ("wb", False, "abs"),
+    ("r", True, "abs"), ("w", False, "signed")])
+def test_cpp_path_matches_python_path(activation, p, dtype, fmt, training, needs, residual, weight_mode,
+                                      monkeypatch):
+    case = make_case((4, 6, 5, 7), dtype, seed=3)
+    ours = _run(case, fmt, training, activation, p, weight_mode, residual, needs, False, monkeypatch)
+    ref = _run(case, fmt, training, activation, p, weight_mode, residual, needs, True, monkeypatch)
+    assert "InPlaceABNFunction" in ours[3] and "CppNode" in ours[3], ours[3]
+    assert "CppNode" not in ref[3], ref[3]
+    torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=0)
+    for k in needs:
+        assert ours[1][k] is not None and ref[1][k] is not None, k
+        assert ours[1][k].dtype == ref[1][k].dtype, k
+        torch.testing.assert_close(ours[1][k], ref[1][k], rtol=0, atol=0, msg=f"gradient of {k}")
+    for a, b in zip(ours[2], ref[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_cpp_path_refuses_double_backward():
+    layer = InPlaceABN(4)
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    y = layer(x * 1)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
+def test_cpp_path_empty_batch_and_count_one():
+    layer = InPlaceABN(4)
+    x = torch.randn(0, 4, 5, requires_grad=True)
+    y = layer(x * 1)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(layer.running_mean, torch.zeros(4))
+    assert torch.equal(layer.weight.grad, torch.zeros(4))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        layer(torch.randn(1, 4, requires_grad=True) * 1)
+
+
+def test_cpp_path_version_counter():
+    """mark_dirty in C++: x's version moves, and a tensor saved by another node before the
+    in-place write is detected as modified."""
+    x0 = torch.randn(4, 3, 5, requires_grad=True)
+    h = x0 * 1
+    z = h.sigmoid()  # saves its output, not h: unaffected
+    s = h * h  # saves h
+    v = h._version
+    InPlaceABN(3)(h)
+    assert h._version > v
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        s.sum().backward()
+    z.sum().backward()
