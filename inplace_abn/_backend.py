@@ -100,7 +100,7 @@ def ops_for(x: torch.Tensor, choice: Optional[str] = None):
     choice = current() if choice is None else choice
     if choice == "python" or not HAS_NATIVE:
         return _pure
-    if _has_device_kernel(x.device.type):
+    if _has_device_kernel("cpu" if x.is_cpu else x.device.type):  # (x.device costs ~0.2 us)
         return NATIVE
     if choice == "native":
         raise RuntimeError(f"inplace_abn: the native extension has no kernels for {x.device.type} tensors")

@@ -189,9 +189,12 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
             )
         if residual.device != x.device:
             raise ValueError(f"{op}: residual is on {residual.device} but the input is on {x.device}")
-    _check_no_tangents(x=x, residual=residual, **per_channel)
-    _check_writable(x, residual, any(t is not None and t.requires_grad
-                                     for t in (x, residual) + tuple(per_channel.values())))
+    if torch.autograd.forward_ad._current_level >= 0:  # a dual level is entered: tangents possible
+        _check_no_tangents(x=x, residual=residual, **per_channel)
+    requires_grad = x.requires_grad or (residual is not None and residual.requires_grad)
+    for t in per_channel.values():
+        requires_grad = requires_grad or (t is not None and t.requires_grad)
+    _check_writable(x, residual, requires_grad)
 
 
 def _run(function, args, differentiable):
