@@ -166,14 +166,17 @@ def main():
     warnings.filterwarnings("ignore", message="In-place ABN with relu", category=RuntimeWarning)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke test)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default 20; 3 with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small shapes; without --repeats also few repeats (a smoke test)")
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default allocation heuristics")
     ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
     ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
     ap.add_argument("--shapes", help="only these shapes, e.g. 16x64x56x56,4096x512")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 20
     kept = False if args.system_malloc else keep_freed_memory()
     torch.set_num_threads(args.threads)
     if args.compare:
@@ -183,8 +186,6 @@ def main():
                 for shape, act, cl in cases(args.quick, args.shapes)]
         print(json.dumps({"file": inplace_abn.__file__, "ours": ours}))
         return
-    if args.quick:
-        args.repeats = 3
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, float32, backend={backend}, median of {args.repeats}, "
           f"allocator: {'freed memory kept (mallopt)' if kept else 'system defaults'}")

@@ -92,3 +92,17 @@ def test_cpp_path_version_counter():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         s.sum().backward()
     z.sum().backward()
+
+
+def test_functorch_transforms_raise():
+    """torch.func transforms cannot see through the C++ autograd Function: they raise,
+    never return a wrong gradient."""
+    w, b = torch.rand(4) + 0.5, torch.randn(4)
+
+    def f(x):
+        return functions.inplace_abn(x * 1, w, b, None, None, True, 0.1, 1e-5, "leaky_relu", 0.1).sum()
+
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.grad(f)(torch.randn(3, 4, 5))
+    with pytest.raises(RuntimeError, match="inplace_abn"):
+        torch.vmap(f)(torch.randn(2, 3, 4, 5))
