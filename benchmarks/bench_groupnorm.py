@@ -53,14 +53,15 @@ def bench(shape, activation, channels_last, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--quick", action="store_true", help="two small shapes, 3 repeats (smoke test)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default 20; 3 with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="two small shapes; without --repeats also 3 repeats (a smoke test)")
     args = ap.parse_args()
     kept = keep_freed_memory()
     torch.set_num_threads(args.threads)
     shapes = ([(2, 64, 8, 8), (2, 32, 16, 16)] if args.quick else
               [(8, 64, 64, 64), (8, 128, 32, 32), (8, 256, 16, 16), (8, 512, 8, 8)])
-    repeats = 3 if args.quick else args.repeats
+    repeats = args.repeats if args.repeats is not None else 3 if args.quick else 20
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} "
           f"threads, float32, {GROUPS} groups, backend={backend}, median of {repeats}, allocator: "

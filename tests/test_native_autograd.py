@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import inplace_abn
-from inplace_abn import InPlaceABN, functions
+from inplace_abn import InPlaceABN, functions, groupnorm
 from cases import make_case
 
 pytestmark = pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
@@ -106,3 +106,45 @@ def test_functorch_transforms_raise():
         torch.func.grad(f)(torch.randn(3, 4, 5))
     with pytest.raises(RuntimeError, match="inplace_abn"):
         torch.vmap(f)(torch.randn(2, 3, 4, 5))
+
+
+def _run_gn(case, groups, activation, p, weight_mode, residual, needs, python_path, monkeypatch):
+    with monkeypatch.context() as m:
+        if python_path:
+            m.setattr(groupnorm, "_native_autograd", lambda x, differentiable: False)
+        x0 = case["x"].clone().requires_grad_("x" in needs)
+        w = case["w"].clone().requires_grad_("w" in needs)
+        b = case["b"].clone().requires_grad_("b" in needs)
+        r = case["residual"].clone().requires_grad_("r" in needs) if residual else None
+        x = x0.clone()
+        y = groupnorm.inplace_agn(x, groups, w, b, 1e-5, activation, p, residual=r, weight_mode=weight_mode)
+        node = str(y.grad_fn.name())
+        y.backward(case["dy"])
+        leaves = {"x": x0, "w": w, "b": b, "r": r}
+        return y.detach().clone(), {k: leaves[k].grad for k in needs}, node
+
+
+@pytest.mark.parametrize("activation,p", [("identity", 0.0), ("leaky_relu", 0.1), ("elu", 0.8), ("silu", 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,groups", [((4, 6, 5, 7), 3), ((3, 8), 2), ((2, 4, 3, 5, 2), 4)], ids=str)
+@pytest.mark.parametrize("needs,residual,weight_mode", [
+    ("xwb", False, "abs"), ("xwbr", True, "signed"), ("x", False, "abs"), ("wb", False, "signed"), ("r", True, "abs")])
+def test_groupnorm_cpp_path_matches_python_path(activation, p, dtype, shape, groups, needs, residual, weight_mode,
+                                                monkeypatch):
+    """inplace_agn_ (contiguous GroupNorm, autograd in C++) against _InPlaceAGNFunction, bit for bit."""
+    case = make_case(shape, dtype, seed=5)
+    ours = _run_gn(case, groups, activation, p, weight_mode, residual, needs, False, monkeypatch)
+    ref = _run_gn(case, groups, activation, p, weight_mode, residual, needs, True, monkeypatch)
+    assert "InPlaceAGNFunction" in ours[2] and "CppNode" in ours[2], ours[2]
+    assert "CppNode" not in ref[2], ref[2]
+    torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=0)
+    for k in needs:
+        assert ours[1][k] is not None and ours[1][k].dtype == ref[1][k].dtype, k
+        torch.testing.assert_close(ours[1][k], ref[1][k], rtol=0, atol=0, msg=f"gradient of {k}")
+
+
+def test_groupnorm_cpp_path_refuses_double_backward():
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    y = groupnorm.inplace_agn(x * 1, 2, torch.ones(4, requires_grad=True), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="inplace_agn does not support double backward"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)

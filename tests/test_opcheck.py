@@ -65,6 +65,15 @@ def test_opcheck_composite_layer(act, fmt, training):
         torch.library.opcheck(torch.ops.inplace_abn.inplace_abn_.default, args, test_utils=util)
 
 
+@pytest.mark.parametrize("act", ACTS)
+def test_opcheck_composite_groupnorm_layer(act):
+    """inplace_agn_ (the contiguous GroupNorm layer with its autograd in C++), as above."""
+    x, _, _, w, b, r, p = _args(act, torch.contiguous_format, True)
+    args = (x.clone(), w.requires_grad_(), b.requires_grad_(), r.requires_grad_(), 5, 1e-5, act, p, False)
+    for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
+        torch.library.opcheck(torch.ops.inplace_abn.inplace_agn_.default, args, test_utils=util)
+
+
 def test_opcheck_optional_affine_and_half():
     ops = torch.ops.inplace_abn
     x, mean, var, _, _, _, _ = _args(_activation.SILU, torch.contiguous_format, False, dtype=torch.bfloat16)
@@ -119,7 +128,9 @@ def test_z_path_refuses_what_it_cannot_do():
                          ids=str)
 def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
     """InPlaceABN and InPlaceAGN with SiLU call backward_input_from_z_ in
-    float32/float64 on the CPU (and the inverting backward_input otherwise)."""
+    float32/float64 on the CPU (and the inverting backward_input otherwise):
+    directly from the C++ autograd of a contiguous layer, through the GroupNorm
+    operators for a channels-last one."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
@@ -132,9 +143,12 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
             return func(*args, **(kwargs or {}))
 
     x0 = torch.randn(2, 8, 4, 4, dtype=dtype, requires_grad=True)
-    for layer, op in [(inplace_abn.InPlaceABN(8, activation="silu"), "inplace_abn::backward_input"),
-                      (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::gn_backward_input")]:
+    for layer, op, fmt in [
+            (inplace_abn.InPlaceABN(8, activation="silu"), "inplace_abn::backward_input", torch.contiguous_format),
+            (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::backward_input", torch.contiguous_format),
+            (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::gn_backward_input", torch.channels_last)]:
         layer = layer.to(dtype)
+        x0 = x0.detach().contiguous(memory_format=fmt).requires_grad_()
         with Calls() as calls:
             layer(x0 * 1).sum().backward()
         assert (op + "_from_z_" in calls.names) == kept, calls.names

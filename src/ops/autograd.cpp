@@ -5,6 +5,7 @@
 // come here and save the Python autograd.Function and four Python-level op
 // calls: about 35 us of host time per training step (docs/DESIGN.md section 7.4).
 // The argument checks stay in Python (they raise before anything is written).
+// inplace_agn_ does the same for the GroupNorm layer on contiguous inputs.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -143,6 +144,97 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
   }
 };
 
+// The GroupNorm layer (docs/DESIGN.md section 10) on a contiguous x: the BatchNorm
+// operators in their GroupNorm mode, as _InPlaceAGNFunction in inplace_abn/groupnorm.py
+// runs them for such an x (channels-last inputs and the pure backend stay there).
+struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
+                            const OptTensor& residual, int64_t groups, double eps, int64_t act, double param,
+                            bool signed_weight) {
+    TORCH_CHECK(x.is_contiguous() && x.numel() > 0 && groups > 0 && x.size(1) % groups == 0,
+                "inplace_abn: inplace_agn_ needs a non-empty contiguous x and groups dividing C");
+    const int64_t N = x.size(0);
+    // per (n, group) statistics: x viewed as (1, N G, rest), one BatchNorm channel each
+    auto [mean, var] = ops().stats.call(x.view({1, N * groups, -1}), std::nullopt, std::nullopt, 0.0);
+    mean = mean.view({N, groups});
+    var = var.view({N, groups});
+    const at::Tensor mask =
+        ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, groups);
+    ctx->save_for_backward({x, var, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+                            residual.value_or(at::Tensor()), mask});
+    const Edges e(weight, bias, std::nullopt, std::nullopt, residual);
+    ctx->saved_data["i"] = std::vector<int64_t>{act, groups, e.weight, e.bias, e.residual};
+    ctx->saved_data["f"] = std::vector<double>{eps, param};
+    ctx->saved_data["b"] = signed_weight;
+    ctx->mark_dirty({x});
+    return x;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "inplace_agn does not support double backward (create_graph=True, e.g. a gradient penalty): its "
+                "backward is not differentiable, so second derivatives would be wrong. Use the non-in-place AGN "
+                "layer (GroupNorm + activation) where second derivatives are needed");
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &y = s[0], &var = s[1], &weight = s[2], &bias = s[3], &residual = s[4], &mask = s[5];
+    const auto iv = ctx->saved_data["i"].toIntVector();
+    const auto fv = ctx->saved_data["f"].toDoubleVector();
+    const bool signed_weight = ctx->saved_data["b"].toBool();
+    const int64_t act = iv[0], G = iv[1];
+    const double eps = fv[0], p = fv[1];
+    auto needs = [&](int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); };
+    const bool need_x = ctx->needs_input_grad(0), need_w = needs(iv[2]), need_b = needs(iv[3]),
+               need_r = needs(iv[4]);
+    const OptTensor w = opt(weight), b = opt(bias), r = opt(residual);
+
+    const at::Tensor dy = like(grads[0], y);
+    const bool keep_z = need_x && act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
+                        (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
+    const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
+    // (N, C) sums over the spatial positions of gz and gz xhat
+    auto [s_gz, s_gzx] = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 1);
+    at::Tensor dx, dr;
+    if (need_x || need_r) {
+      const int64_t N = y.size(0), C = y.size(1);
+      at::Tensor g = at::ones({C}, s_gz.options());
+      if (weight.defined()) {  // g~ (inplace_abn/_activation.py effective_weight)
+        const at::Tensor wd = weight.detach().to(s_gz.scalar_type());
+        g = wd.abs() + eps;
+        if (signed_weight) g = at::where(wd < 0, -g, g);
+      }
+      const int64_t m = y.numel() / (N * G);  // elements per (n, group)
+      // group means of g~ gz and g~ gz xhat, per sample (N, G)
+      const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
+      const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
+      if (keep_z) {
+        dx = z;
+        dr = ops().input_z.call(z, dy, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p, signed_weight, need_r, 1.0,
+                                G);
+      } else {
+        std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p,
+                                            signed_weight, need_r, 1.0, G);
+      }
+      dx = need_x ? dx.to(y.scalar_type()) : at::Tensor();
+      dr = need_r ? dr.to(y.scalar_type()) : at::Tensor();
+    }
+    at::Tensor dw, db;
+    if (need_w) {
+      const at::Tensor sw = s_gzx.sum(0);
+      dw = signed_weight ? sw.to(weight.scalar_type())
+                         : (sw * at::sign(weight.to(sw.scalar_type()))).to(weight.scalar_type());
+    }
+    if (need_b) db = s_gz.sum(0).to(bias.scalar_type());
+    return {dx, dw, db, dr, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor inplace_agn_(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                        const OptTensor& residual, int64_t groups, double eps, int64_t activation,
+                        double activation_param, bool signed_weight) {
+  return InPlaceAGNFunction::apply(x, weight, bias, residual, groups, eps, activation, activation_param,
+                                   signed_weight);
+}
+
 at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
                         const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
                         bool training, double momentum, double eps, int64_t activation, double activation_param,
@@ -154,6 +246,9 @@ at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptT
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(inplace_abn, CompositeImplicitAutograd, m) { m.impl("inplace_abn_", &inplace_abn_); }
+TORCH_LIBRARY_IMPL(inplace_abn, CompositeImplicitAutograd, m) {
+  m.impl("inplace_abn_", &inplace_abn_);
+  m.impl("inplace_agn_", &inplace_agn_);
+}
 
 }  // namespace inplace_abn

@@ -56,6 +56,11 @@ TORCH_LIBRARY(inplace_abn, m) {
       "inplace_abn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
       "Tensor? residual, bool training, float momentum, float eps, int activation, float activation_param, "
       "bool signed_weight, bool relu=False) -> Tensor(a!)");
+  // The GroupNorm layer on a contiguous x with its autograd in C++ (the BatchNorm
+  // operators in their GroupNorm mode; docs/DESIGN.md section 10).
+  m.def(
+      "inplace_agn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
+      "int activation, float activation_param, bool signed_weight) -> Tensor(a!)");
   // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce
   // stored z = f^-1(y) in z_out; the dx of backward_input from z, written over z
   // (so the second pass skips the inversion and allocates nothing). Returns dresidual.
