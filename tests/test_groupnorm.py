@@ -153,20 +153,25 @@ def test_empty_batch(backend):
 
 
 def test_modules_match_groupnorm_and_load_its_state_dict():
+    g = torch.Generator().manual_seed(0)
     gn = nn.GroupNorm(4, 8)
     with torch.no_grad():
-        gn.weight.copy_(torch.rand(8) + 0.5)
-        gn.bias.normal_()
+        gn.weight.copy_(torch.rand(8, generator=g) + 0.5)
+        gn.bias.copy_(torch.randn(8, generator=g))
     sd = gn.state_dict()
-    x = torch.randn(2, 8, 5, 5)
+    x = torch.randn(2, 8, 5, 5, generator=g)
     ref = F.silu(gn(x))
-    for cls, kw in ((AGN, {}), (InPlaceAGN, {"weight_mode": "signed"}), (InPlaceAGN, {})):
+    # InPlaceAGN applies the effective weight |w| + eps (both modes, w > 0): an
+    # O(eps) relative difference from stock, so its reference uses that weight
+    ref_eff = F.silu(F.group_norm(x, 4, gn.weight.detach() + gn.eps, gn.bias.detach(), gn.eps))
+    for cls, kw, r in ((AGN, {}, ref), (InPlaceAGN, {"weight_mode": "signed"}, ref_eff), (InPlaceAGN, {}, ref_eff)):
         layer = cls(4, 8, **kw)
         assert set(layer.state_dict()) == set(sd) == {"weight", "bias"}
         layer.load_state_dict(sd, strict=True)
         y = layer(x.clone())
-        # AGN: exact; InPlaceAGN: the effective weight is |w| + eps (both modes, w > 0)
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-6)
+        if cls is AGN:  # stock GroupNorm + SiLU itself
+            assert torch.equal(y, r)
     # and back: an InPlaceAGN checkpoint loads into nn.GroupNorm
     nn.GroupNorm(4, 8).load_state_dict(InPlaceAGN(4, 8).state_dict(), strict=True)
     assert set(AGN(2, 4, affine=False).state_dict()) == set(nn.GroupNorm(2, 4, affine=False).state_dict())

@@ -55,6 +55,41 @@ struct Edges {
   }
 };
 
+// What both layers keep for backward: the output (or ReLU's z), the variance,
+// the parameters, the residual and the mask; integer and float settings.
+void save(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y, const at::Tensor& var,
+          const OptTensor& weight, const OptTensor& bias, const OptTensor& residual, const at::Tensor& mask,
+          std::vector<int64_t> ints, double eps, double param) {
+  ctx->save_for_backward({y, var, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+                          residual.value_or(at::Tensor()), mask});
+  ctx->saved_data["i"] = std::move(ints);
+  ctx->saved_data["f"] = std::vector<double>{eps, param};
+  ctx->mark_dirty({x});
+}
+
+struct Saved {
+  at::Tensor y, var, weight, bias, residual, mask;
+  std::vector<int64_t> i;
+  double eps, p;
+  // The backward is written with the operators and is not itself differentiable:
+  // refuse create_graph=True rather than drop second derivatives.
+  Saved(AutogradContext* ctx, const char* op, const char* twin) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), op,
+                " does not support double backward (create_graph=True, e.g. a gradient penalty): its backward is "
+                "not differentiable, so second derivatives would be wrong. Use the non-in-place ",
+                twin, " where second derivatives are needed");
+    const auto s = ctx->get_saved_variables();
+    y = s[0], var = s[1], weight = s[2], bias = s[3], residual = s[4], mask = s[5];
+    i = ctx->saved_data["i"].toIntVector();
+    const auto f = ctx->saved_data["f"].toDoubleVector();
+    eps = f[0], p = f[1];
+  }
+  bool keeps_z(int64_t act) const {  // SiLU on the CPU (docs/DESIGN.md section 7.2)
+    return act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
+           (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
+  }
+};
+
 struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
   // relu: the non-invertible activation (act must be 0): z is kept, x gets max(z, 0)
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
@@ -78,35 +113,26 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
       mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0);
     }
     const int64_t C = x.size(1);
-    ctx->save_for_backward({saved, var, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-                            residual.value_or(at::Tensor()), mask});
     const Edges e(weight, bias, running_mean, running_var, residual);
-    ctx->saved_data["i"] = std::vector<int64_t>{act, C ? x.numel() / C : 0, static_cast<int64_t>(x.scalar_type()),
-                                                e.weight, e.bias, e.residual};
-    ctx->saved_data["f"] = std::vector<double>{eps, param};
-    ctx->saved_data["b"] = c10::List<bool>({training, signed_weight, relu});
-    ctx->mark_dirty({x});
+    save(ctx, x, saved, var, weight, bias, residual, mask,
+         {act, C ? x.numel() / C : 0, static_cast<int64_t>(x.scalar_type()), e.weight, e.bias, e.residual, training,
+          signed_weight, relu},
+         eps, param);
     return x;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "inplace_abn does not support double backward (create_graph=True, e.g. a gradient penalty): its "
-                "backward is not differentiable, so second derivatives would be wrong. Use the non-in-place ABN "
-                "layer (BatchNorm + activation) where second derivatives are needed");
-    const auto s = ctx->get_saved_variables();
-    const at::Tensor &y = s[0], &var = s[1], &weight = s[2], &bias = s[3], &residual = s[4], &mask = s[5];
-    const auto iv = ctx->saved_data["i"].toIntVector();
-    const auto fv = ctx->saved_data["f"].toDoubleVector();
-    const auto bv = ctx->saved_data["b"].toBoolList();
-    const int64_t act = iv[0], count = iv[1];
-    const auto dtype = static_cast<at::ScalarType>(iv[2]);
-    const double eps = fv[0], p = fv[1];
-    const bool training = bv[0], signed_weight = bv[1], relu = bv[2];
+    const Saved sv(ctx, "inplace_abn", "ABN layer (BatchNorm + activation)");
+    const at::Tensor &y = sv.y, &var = sv.var, &weight = sv.weight, &bias = sv.bias;
+    const int64_t act = sv.i[0], count = sv.i[1];
+    const auto dtype = static_cast<at::ScalarType>(sv.i[2]);
+    const double eps = sv.eps, p = sv.p;
+    const bool training = sv.i[6], signed_weight = sv.i[7], relu = sv.i[8];
     auto needs = [&](int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); };
-    const bool need_x = ctx->needs_input_grad(0), need_w = needs(iv[3]), need_b = needs(iv[4]),
-               need_r = needs(iv[5]);
-    const OptTensor w = opt(weight), b = opt(bias), r = opt(residual);
+    const bool need_x = ctx->needs_input_grad(0), need_w = needs(sv.i[3]), need_b = needs(sv.i[4]),
+               need_r = needs(sv.i[5]);
+    const OptTensor w = opt(weight), b = opt(bias), r = opt(sv.residual);
+    const at::Tensor& mask = sv.mask;
 
     at::Tensor dy = like(grads[0], y);  // y's layout (and, for ReLU, z's dtype), once for both passes
     if (relu) dy = at::threshold_backward(dy, y, 0);
@@ -114,8 +140,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     // parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
     const bool reduce = need_w || need_b || (training && (need_x || need_r));
     // SiLU on the CPU: the reduce pass keeps z, the input pass starts from it (section 7.2)
-    const bool keep_z = reduce && need_x && act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
-                        (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
+    const bool keep_z = reduce && need_x && sv.keeps_z(act);
     const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
     at::Tensor sum_gz, sum_gzx, dx, dr;
     if (reduce) std::tie(sum_gz, sum_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0);
@@ -160,36 +185,25 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
     var = var.view({N, groups});
     const at::Tensor mask =
         ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, groups);
-    ctx->save_for_backward({x, var, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-                            residual.value_or(at::Tensor()), mask});
     const Edges e(weight, bias, std::nullopt, std::nullopt, residual);
-    ctx->saved_data["i"] = std::vector<int64_t>{act, groups, e.weight, e.bias, e.residual};
-    ctx->saved_data["f"] = std::vector<double>{eps, param};
-    ctx->saved_data["b"] = signed_weight;
-    ctx->mark_dirty({x});
+    save(ctx, x, x, var, weight, bias, residual, mask, {act, groups, e.weight, e.bias, e.residual, signed_weight},
+         eps, param);
     return x;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "inplace_agn does not support double backward (create_graph=True, e.g. a gradient penalty): its "
-                "backward is not differentiable, so second derivatives would be wrong. Use the non-in-place AGN "
-                "layer (GroupNorm + activation) where second derivatives are needed");
-    const auto s = ctx->get_saved_variables();
-    const at::Tensor &y = s[0], &var = s[1], &weight = s[2], &bias = s[3], &residual = s[4], &mask = s[5];
-    const auto iv = ctx->saved_data["i"].toIntVector();
-    const auto fv = ctx->saved_data["f"].toDoubleVector();
-    const bool signed_weight = ctx->saved_data["b"].toBool();
-    const int64_t act = iv[0], G = iv[1];
-    const double eps = fv[0], p = fv[1];
+    const Saved sv(ctx, "inplace_agn", "AGN layer (GroupNorm + activation)");
+    const at::Tensor &y = sv.y, &var = sv.var, &weight = sv.weight, &bias = sv.bias, &mask = sv.mask;
+    const int64_t act = sv.i[0], G = sv.i[1];
+    const bool signed_weight = sv.i[5];
+    const double eps = sv.eps, p = sv.p;
     auto needs = [&](int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); };
-    const bool need_x = ctx->needs_input_grad(0), need_w = needs(iv[2]), need_b = needs(iv[3]),
-               need_r = needs(iv[4]);
-    const OptTensor w = opt(weight), b = opt(bias), r = opt(residual);
+    const bool need_x = ctx->needs_input_grad(0), need_w = needs(sv.i[2]), need_b = needs(sv.i[3]),
+               need_r = needs(sv.i[4]);
+    const OptTensor w = opt(weight), b = opt(bias), r = opt(sv.residual);
 
     const at::Tensor dy = like(grads[0], y);
-    const bool keep_z = need_x && act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
-                        (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
+    const bool keep_z = need_x && sv.keeps_z(act);
     const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
     // (N, C) sums over the spatial positions of gz and gz xhat
     auto [s_gz, s_gzx] = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 1);
