@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation, _backend, _groupnorm_ops
-from .functions import (WEIGHT_MODES, _activation_code, _check_common, _native_autograd, _output_grad,
-                        _param_grads, _prepare, _refuse_double_backward, _run, _write)
+from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
+                        _output_grad, _param_grads, _prepare, _refuse_double_backward, _run, _write)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -161,10 +161,11 @@ def inplace_agn(
         _activation.warn_not_invertible(activation, activation_param)
     args = (x, weight, bias, residual, num_groups, float(eps), activation, float(activation_param),
             weight_mode == "signed")
-    if (x.numel() > 0 and x.is_contiguous() and _activation.is_invertible(activation, activation_param)
-            and _native_autograd(x, (x, weight, bias, residual))):
-        # eager, contiguous: the same steps with the autograd in C++ (docs/DESIGN.md section 7.3)
-        return _NATIVE_AGN(x, weight, bias, None if residual is None else residual.contiguous(), num_groups,
+    if (x.numel() > 0 and _activation.is_invertible(activation, activation_param)
+            and _native_autograd(x, (x, weight, bias, residual))
+            and _groupnorm_ops._native_ok(x, _activation.CODES[activation])):
+        # eager: the same steps with the autograd in C++ (docs/DESIGN.md section 7.3)
+        return _NATIVE_AGN(x, weight, bias, None if residual is None else _like_layout(residual, x), num_groups,
                            float(eps), _activation.CODES[activation], float(activation_param),
                            weight_mode == "signed")
     return _run(_InPlaceAGNFunction, args, (x, weight, bias, residual))

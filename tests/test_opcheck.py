@@ -128,9 +128,8 @@ def test_z_path_refuses_what_it_cannot_do():
                          ids=str)
 def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
     """InPlaceABN and InPlaceAGN with SiLU call backward_input_from_z_ in
-    float32/float64 on the CPU (and the inverting backward_input otherwise):
-    directly from the C++ autograd of a contiguous layer, through the GroupNorm
-    operators for a channels-last one."""
+    float32/float64 on the CPU (and the inverting backward_input otherwise),
+    from the C++ autograd of each layer (per sample for channels-last GroupNorm)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
@@ -146,7 +145,7 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
     for layer, op, fmt in [
             (inplace_abn.InPlaceABN(8, activation="silu"), "inplace_abn::backward_input", torch.contiguous_format),
             (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::backward_input", torch.contiguous_format),
-            (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::gn_backward_input", torch.channels_last)]:
+            (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::backward_input", torch.channels_last)]:
         layer = layer.to(dtype)
         x0 = x0.detach().contiguous(memory_format=fmt).requires_grad_()
         with Calls() as calls:

@@ -169,22 +169,57 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
   }
 };
 
-// The GroupNorm layer (docs/DESIGN.md section 10) on a contiguous x: the BatchNorm
-// operators in their GroupNorm mode, as _InPlaceAGNFunction in inplace_abn/groupnorm.py
-// runs them for such an x (channels-last inputs and the pure backend stay there).
+// Channels-last GroupNorm runs one sample at a time (its (n, c) planes are not
+// adjacent in memory): sample n of t, the packed mask words of sample n, and
+// (N, G) per-group values as one sample's (C,) per-channel ones.
+OptTensor sample(const at::Tensor& t, int64_t n) { return t.defined() ? OptTensor(t.narrow(0, n, 1)) : std::nullopt; }
+at::Tensor mask_of(const at::Tensor& mask, int64_t n, int64_t N) {
+  const int64_t w = mask.numel() / N;
+  return mask.numel() == 0 ? mask : mask.narrow(0, n * w, w);
+}
+at::Tensor per_channel(const at::Tensor& v, int64_t n, int64_t C) {
+  const int64_t G = v.size(1);
+  return v.narrow(0, n, 1).unsqueeze(2).expand({1, G, C / G}).reshape({C});
+}
+
+// The GroupNorm layer (docs/DESIGN.md section 10): the BatchNorm operators in
+// their GroupNorm mode (contiguous x) or per sample (channels-last x), as the
+// native GroupNorm operators of inplace_abn/_groupnorm_ops.py run them for
+// _InPlaceAGNFunction (which stays the path of the pure backend and of the
+// channels-last SiLU shapes those operators leave to it).
 struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
                             const OptTensor& residual, int64_t groups, double eps, int64_t act, double param,
                             bool signed_weight) {
-    TORCH_CHECK(x.is_contiguous() && x.numel() > 0 && groups > 0 && x.size(1) % groups == 0,
-                "inplace_abn: inplace_agn_ needs a non-empty contiguous x and groups dividing C");
-    const int64_t N = x.size(0);
-    // per (n, group) statistics: x viewed as (1, N G, rest), one BatchNorm channel each
-    auto [mean, var] = ops().stats.call(x.view({1, N * groups, -1}), std::nullopt, std::nullopt, 0.0);
-    mean = mean.view({N, groups});
-    var = var.view({N, groups});
-    const at::Tensor mask =
-        ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, groups);
+    const bool cl = is_channels_last(x);
+    TORCH_CHECK((cl || x.is_contiguous()) && x.numel() > 0 && groups > 0 && x.size(1) % groups == 0,
+                "inplace_abn: inplace_agn_ needs a non-empty contiguous or channels-last x and groups dividing C");
+    const int64_t N = x.size(0), C = x.size(1);
+    at::Tensor mean, var, mask;
+    if (!cl) {
+      // per (n, group) statistics: x viewed as (1, N G, rest), one BatchNorm channel each
+      std::tie(mean, var) = ops().stats.call(x.view({1, N * groups, -1}), std::nullopt, std::nullopt, 0.0);
+      mean = mean.view({N, groups});
+      var = var.view({N, groups});
+      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt,
+                            groups);
+    } else {
+      // a sample in channels-last memory is (S, G, C/G) contiguous: groups are "channels"
+      std::vector<at::Tensor> means, vars, masks;
+      for (int64_t n = 0; n < N; ++n) {
+        auto [m, v] = ops().stats.call(x.select(0, n).movedim(0, -1).reshape({-1, groups, C / groups}),
+                                       std::nullopt, std::nullopt, 0.0);
+        means.push_back(m);
+        vars.push_back(v);
+      }
+      mean = at::stack(means);
+      var = at::stack(vars);
+      for (int64_t n = 0; n < N; ++n)
+        masks.push_back(ops().fwd.call(x.narrow(0, n, 1), per_channel(mean, n, C), per_channel(var, n, C), weight,
+                                       bias, residual ? sample(*residual, n) : std::nullopt, eps, act, param,
+                                       signed_weight, std::nullopt, 0));
+      mask = at::cat(masks);
+    }
     const Edges e(weight, bias, std::nullopt, std::nullopt, residual);
     save(ctx, x, x, var, weight, bias, residual, mask, {act, groups, e.weight, e.bias, e.residual, signed_weight},
          eps, param);
@@ -205,11 +240,24 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
     const at::Tensor dy = like(grads[0], y);
     const bool keep_z = need_x && sv.keeps_z(act);
     const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
+    const bool cl = is_channels_last(y);
+    const int64_t N = y.size(0), C = y.size(1);
     // (N, C) sums over the spatial positions of gz and gz xhat
-    auto [s_gz, s_gzx] = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 1);
-    at::Tensor dx, dr;
+    at::Tensor s_gz, s_gzx, dx, dr;
+    if (!cl) {
+      std::tie(s_gz, s_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 1);
+    } else {
+      std::vector<at::Tensor> a, bb;
+      for (int64_t n = 0; n < N; ++n) {
+        auto [sg, sgx] = ops().reduce.call(y.narrow(0, n, 1), dy.narrow(0, n, 1), mask_of(mask, n, N), w, b,
+                                           sample(sv.residual, n), eps, act, p, signed_weight, sample(z, n), 0);
+        a.push_back(sg);
+        bb.push_back(sgx);
+      }
+      s_gz = at::stack(a);
+      s_gzx = at::stack(bb);
+    }
     if (need_x || need_r) {
-      const int64_t N = y.size(0), C = y.size(1);
       at::Tensor g = at::ones({C}, s_gz.options());
       if (weight.defined()) {  // g~ (inplace_abn/_activation.py effective_weight)
         const at::Tensor wd = weight.detach().to(s_gz.scalar_type());
@@ -220,13 +268,35 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
       // group means of g~ gz and g~ gz xhat, per sample (N, G)
       const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
       const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
-      if (keep_z) {
+      if (!cl && keep_z) {
         dx = z;
         dr = ops().input_z.call(z, dy, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p, signed_weight, need_r, 1.0,
                                 G);
-      } else {
+      } else if (!cl) {
         std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p,
                                             signed_weight, need_r, 1.0, G);
+      } else {
+        // the BatchNorm kernel computes g~ r (gz - m_gz - xhat m_gzx); GroupNorm's
+        // r (g~ gz - m_ggz - xhat m_ggzx) is that with the group means divided by g~
+        const at::Tensor inv_g = g.reciprocal();  // (Python: 1 / g)
+        const at::Tensor m_gz = (mean_ggz.unsqueeze(2) * inv_g.view({G, C / G})).view({N, C});
+        const at::Tensor m_gzx = (mean_ggzx.unsqueeze(2) * inv_g.view({G, C / G})).view({N, C});
+        dx = keep_z ? z : at::empty_like(y);
+        dr = need_r ? at::empty_like(y) : y.new_empty({0});
+        for (int64_t n = 0; n < N; ++n) {
+          const at::Tensor v = per_channel(var, n, C);
+          at::Tensor dxn, drn;
+          if (keep_z) {  // writes dx over z in place
+            drn = ops().input_z.call(z.narrow(0, n, 1), dy.narrow(0, n, 1), v, w, b, sample(sv.residual, n),
+                                     m_gz[n], m_gzx[n], eps, act, p, signed_weight, need_r, 1.0, 0);
+          } else {
+            std::tie(dxn, drn) = ops().input.call(y.narrow(0, n, 1), dy.narrow(0, n, 1), mask_of(mask, n, N), v, w,
+                                                  b, sample(sv.residual, n), m_gz[n], m_gzx[n], eps, act, p,
+                                                  signed_weight, need_r, 1.0, 0);
+            dx.narrow(0, n, 1).copy_(dxn);
+          }
+          if (need_r) dr.narrow(0, n, 1).copy_(drn);
+        }
       }
       dx = need_x ? dx.to(y.scalar_type()) : at::Tensor();
       dr = need_r ? dr.to(y.scalar_type()) : at::Tensor();
