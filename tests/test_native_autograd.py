@@ -14,25 +14,22 @@ from cases import make_case
 pytestmark = pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
 
 
-def _run(case, fmt, training, activation, p, weight_mode, residual, needs, python_path, monkeypatch):
-    """(y, grads of the tensors named in ``needs``, running stats) through one path."""
+def _run(module, layer, case, fmt, residual, needs, python_path, monkeypatch):
+    """(y, grads of the tensors named in ``needs``, the autograd node's name) of
+    ``layer(x, w, b, r)``, through the C++ path or (``python_path``) the Python one."""
     with monkeypatch.context() as m:
         if python_path:
-            m.setattr(functions, "_native_autograd", lambda x, differentiable: False)
+            m.setattr(module, "_native_autograd", lambda x, differentiable: False)
         x0 = case["x"].clone().contiguous(memory_format=fmt).requires_grad_("x" in needs)
         w = case["w"].clone().requires_grad_("w" in needs)
         b = case["b"].clone().requires_grad_("b" in needs)
         r = (case["residual"].clone().contiguous(memory_format=fmt).requires_grad_("r" in needs)
              if residual else None)
-        rm, rv = case["rm"].clone(), case["rv"].clone()
-        x = x0.clone(memory_format=torch.preserve_format) if x0.requires_grad else x0.clone()
-        y = functions.inplace_abn(x, w, b, rm, rv, training, 0.1, 1e-5, activation, p, residual=r,
-                                  weight_mode=weight_mode)
-        node = type(y.grad_fn).__name__ + str(y.grad_fn.name())
+        y = layer(x0.clone(memory_format=torch.preserve_format), w, b, r)
+        node = str(y.grad_fn.name())
         leaves = {"x": x0, "w": w, "b": b, "r": r}
         y.backward(case["dy"].contiguous(memory_format=fmt))
-        grads = {k: leaves[k].grad for k in needs}
-        return y.detach().clone(), grads, (rm, rv), node
+        return y.detach().clone(), {k: leaves[k].grad for k in needs}, node
 
 
 @pytest.mark.filterwarnings("ignore:In-place ABN with relu is not invertible")
@@ -47,16 +44,23 @@ def _run(case, fmt, training, activation, p, weight_mode, residual, needs, pytho
 def test_cpp_path_matches_python_path(activation, p, dtype, fmt, training, needs, residual, weight_mode,
                                       monkeypatch):
     case = make_case((4, 6, 5, 7), dtype, seed=3)
-    ours = _run(case, fmt, training, activation, p, weight_mode, residual, needs, False, monkeypatch)
-    ref = _run(case, fmt, training, activation, p, weight_mode, residual, needs, True, monkeypatch)
-    assert "InPlaceABNFunction" in ours[3] and "CppNode" in ours[3], ours[3]
-    assert "CppNode" not in ref[3], ref[3]
+    stats = {}
+
+    def layer(x, w, b, r):  # fresh running statistics per path, kept for the comparison
+        rm, rv = stats[len(stats)] = (case["rm"].clone(), case["rv"].clone())
+        return functions.inplace_abn(x, w, b, rm, rv, training, 0.1, 1e-5, activation, p, residual=r,
+                                     weight_mode=weight_mode)
+
+    ours = _run(functions, layer, case, fmt, residual, needs, False, monkeypatch)
+    ref = _run(functions, layer, case, fmt, residual, needs, True, monkeypatch)
+    assert "InPlaceABNFunction" in ours[2] and "CppNode" in ours[2], ours[2]
+    assert "CppNode" not in ref[2], ref[2]
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=0)
     for k in needs:
         assert ours[1][k] is not None and ref[1][k] is not None, k
         assert ours[1][k].dtype == ref[1][k].dtype, k
         torch.testing.assert_close(ours[1][k], ref[1][k], rtol=0, atol=0, msg=f"gradient of {k}")
-    for a, b in zip(ours[2], ref[2]):
+    for a, b in zip(stats[0], stats[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -108,22 +112,6 @@ def test_functorch_transforms_raise():
         torch.vmap(f)(torch.randn(2, 3, 4, 5))
 
 
-def _run_gn(case, groups, fmt, activation, p, weight_mode, residual, needs, python_path, monkeypatch):
-    with monkeypatch.context() as m:
-        if python_path:
-            m.setattr(groupnorm, "_native_autograd", lambda x, differentiable: False)
-        x0 = case["x"].clone().contiguous(memory_format=fmt).requires_grad_("x" in needs)
-        w = case["w"].clone().requires_grad_("w" in needs)
-        b = case["b"].clone().requires_grad_("b" in needs)
-        r = case["residual"].clone().contiguous(memory_format=fmt).requires_grad_("r" in needs) if residual else None
-        x = x0.clone(memory_format=torch.preserve_format)
-        y = groupnorm.inplace_agn(x, groups, w, b, 1e-5, activation, p, residual=r, weight_mode=weight_mode)
-        node = str(y.grad_fn.name())
-        y.backward(case["dy"].contiguous(memory_format=fmt))
-        leaves = {"x": x0, "w": w, "b": b, "r": r}
-        return y.detach().clone(), {k: leaves[k].grad for k in needs}, node
-
-
 @pytest.mark.parametrize("activation,p", [("identity", 0.0), ("leaky_relu", 0.1), ("elu", 0.8), ("silu", 0.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,groups,fmt", [
@@ -137,8 +125,12 @@ def test_groupnorm_cpp_path_matches_python_path(activation, p, dtype, shape, gro
     """inplace_agn_ (GroupNorm with its autograd in C++; channels-last one sample at a time)
     against _InPlaceAGNFunction, bit for bit."""
     case = make_case(shape, dtype, seed=5)
-    ours = _run_gn(case, groups, fmt, activation, p, weight_mode, residual, needs, False, monkeypatch)
-    ref = _run_gn(case, groups, fmt, activation, p, weight_mode, residual, needs, True, monkeypatch)
+
+    def layer(x, w, b, r):
+        return groupnorm.inplace_agn(x, groups, w, b, 1e-5, activation, p, residual=r, weight_mode=weight_mode)
+
+    ours = _run(groupnorm, layer, case, fmt, residual, needs, False, monkeypatch)
+    ref = _run(groupnorm, layer, case, fmt, residual, needs, True, monkeypatch)
     # channels-last SiLU needs whole mask words per sample for the native operators
     # (inplace_abn/_groupnorm_ops.py _native_ok); other shapes stay in Python
     native = not (fmt != torch.contiguous_format and activation == "silu" and (ours[0][0].numel() % 32))
