@@ -147,3 +147,24 @@ def test_groupnorm_cpp_path_refuses_double_backward():
     y = groupnorm.inplace_agn(x * 1, 2, torch.ones(4, requires_grad=True), torch.zeros(4))
     with pytest.raises(RuntimeError, match="inplace_agn does not support double backward"):
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("weight,bias,stats", [(True, False, False), (False, True, False), (False, False, True)])
+def test_cpp_path_with_absent_optional_tensors(weight, bias, stats, monkeypatch):
+    """The C++ Function finds each input's gradient slot by counting the tensors present
+    (absent optionals have no autograd edge): with weight, bias or the running statistics
+    missing, the residual's and the parameters' gradients still match the Python path."""
+    case = make_case((4, 6, 5), torch.float64, seed=7)
+    needs = "x" + ("w" if weight else "") + ("b" if bias else "") + "r"
+
+    def layer(x, w, b, r):
+        rm, rv = (case["rm"].clone(), case["rv"].clone()) if stats else (None, None)
+        return functions.inplace_abn(x, w if weight else None, b if bias else None, rm, rv, True, 0.1, 1e-5,
+                                     "elu", 0.7, residual=r)
+
+    ours = _run(functions, layer, case, torch.contiguous_format, True, needs, False, monkeypatch)
+    ref = _run(functions, layer, case, torch.contiguous_format, True, needs, True, monkeypatch)
+    assert "CppNode" in ours[2] and "CppNode" not in ref[2]
+    for k in needs:
+        assert ours[1][k] is not None, k
+        torch.testing.assert_close(ours[1][k], ref[1][k], rtol=0, atol=0, msg=f"gradient of {k}")
