@@ -2,10 +2,10 @@
 // autograd in C++. The steps are those of _InPlaceABNFunction in
 // inplace_abn/functions.py, which stays the path for torch.compile, the
 // synchronised layer and the pure backend; eager calls on the native backend
-// come here and save the Python autograd.Function and four Python-level op
-// calls: about 35 us of host time per training step (docs/DESIGN.md section 7.4).
+// come here and save the Python autograd.Function and five Python-level op
+// calls: about 25 us of host time per training step (docs/DESIGN.md section 7.3).
 // The argument checks stay in Python (they raise before anything is written).
-// inplace_agn_ does the same for the GroupNorm layer on contiguous inputs.
+// inplace_agn_ does the same for the GroupNorm layer (section 10).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
