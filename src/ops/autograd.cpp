@@ -259,11 +259,7 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
     }
     if (need_x || need_r) {
       at::Tensor g = at::ones({C}, s_gz.options());
-      if (weight.defined()) {  // g~ (inplace_abn/_activation.py effective_weight)
-        const at::Tensor wd = weight.detach().to(s_gz.scalar_type());
-        g = wd.abs() + eps;
-        if (signed_weight) g = at::where(wd < 0, -g, g);
-      }
+      if (weight.defined()) g = gain(weight.detach().to(s_gz.scalar_type()), true, eps, signed_weight);  // g~
       const int64_t m = y.numel() / (N * G);  // elements per (n, group)
       // group means of g~ gz and g~ gz xhat, per sample (N, G)
       const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
