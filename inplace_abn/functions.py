@@ -202,7 +202,7 @@ def _run(function, args, differentiable):
     inference_mode, frozen model, i.e. no tensor of ``differentiable``
     requires grad), its forward run directly: same result, and torch.compile
     cannot trace ctx.mark_dirty outside a node."""
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)):
+    if not _records_backward(differentiable):
         with torch.no_grad():
             return function.forward(_NoGradCtx(), *args)
     return function.apply(*args)
@@ -465,11 +465,17 @@ def _native_autograd(x, differentiable) -> bool:
     device and an x the kernels can write in place. torch.compile traces
     `_InPlaceABNFunction` instead (the same steps), and calls that need no backward run its
     forward directly (`_run`)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return False
-    for t in differentiable:
-        if t is not None and t.requires_grad:
-            return (x.is_contiguous() or _pure.is_channels_last(x)) and _backend.ops_for(x) is _backend.NATIVE
+    return (not torch.compiler.is_compiling() and _records_backward(differentiable)
+            and _layout_compatible(x) is not None and _backend.ops_for(x) is _backend.NATIVE)
+
+
+def _records_backward(differentiable) -> bool:
+    """Whether autograd records a node: grad mode on and some tensor of ``differentiable``
+    requiring grad."""
+    if torch.is_grad_enabled():
+        for t in differentiable:
+            if t is not None and t.requires_grad:
+                return True
     return False
 
 

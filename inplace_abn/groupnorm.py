@@ -157,17 +157,16 @@ def inplace_agn(
     if torch.compiler.is_exporting() or torch.jit.is_tracing():
         return _standard_ops(x, num_groups, weight, bias, float(eps), activation, float(activation_param), residual,
                              weight_mode)
-    if not _activation.is_invertible(activation, activation_param):
+    invertible, act = _activation_code(activation, activation_param)
+    if not invertible:
         _activation.warn_not_invertible(activation, activation_param)
     args = (x, weight, bias, residual, num_groups, float(eps), activation, float(activation_param),
             weight_mode == "signed")
-    if (x.numel() > 0 and _activation.is_invertible(activation, activation_param)
-            and _native_autograd(x, (x, weight, bias, residual))
-            and _groupnorm_ops._native_ok(x, _activation.CODES[activation])):
+    if (invertible and x.numel() > 0 and _native_autograd(x, (x, weight, bias, residual))
+            and _groupnorm_ops._native_ok(x, act)):
         # eager: the same steps with the autograd in C++ (docs/DESIGN.md section 7.3)
         return _NATIVE_AGN(x, weight, bias, None if residual is None else _like_layout(residual, x), num_groups,
-                           float(eps), _activation.CODES[activation], float(activation_param),
-                           weight_mode == "signed")
+                           float(eps), act, float(activation_param), weight_mode == "signed")
     return _run(_InPlaceAGNFunction, args, (x, weight, bias, residual))
 
 
