@@ -175,7 +175,7 @@ def _silu_inverse_deriv(y, left):
             dz = z - zn
             z = zn
         else:
-            z = z - dz
+            z = torch.clamp(z - dz, min=_silu_zmin(y.dtype))  # deriv_of_z needs e^-z finite too
     # f'(z - dz) = f'(z) - f''(z) dz, with f' = s gp, f'' = s gpp
     return z, s * (gp - gpp * dz)
 
@@ -194,9 +194,9 @@ def deriv_act(y, z, act, p):
     if act == A.IDENTITY:
         return torch.ones_like(y)
     if act == A.LEAKY_RELU:
-        return torch.where(torch.signbit(y), torch.full_like(y, p), torch.ones_like(y))
+        return torch.where(y > 0, torch.ones_like(y), torch.full_like(y, p))  # f'(0): the left one, as torch
     if act == A.ELU:
-        return torch.where(torch.signbit(y), _elu_unsaturate(y, p) + p, torch.ones_like(y))
+        return torch.where(y > 0, torch.ones_like(y), _elu_unsaturate(y, p) + p)
     s = torch.sigmoid(z)
     return s * (1 + z * (1 - s))
 

@@ -116,13 +116,14 @@ struct Activation<Act::Identity, M> {
 
 // The inverses read the branch from the sign bit of y, not from y >= 0: a
 // small negative z whose f(z) underflows (float16 output, s z or a (e^z - 1)
-// below the smallest subnormal) still stores -0 and keeps its branch.
+// below the smallest subnormal) still stores -0 and keeps its branch. The
+// derivatives take the left one at z = 0 (y = +0 or -0), as torch's backward does.
 template <class M>
 struct Activation<Act::LeakyRelu, M> {
   using T = typename M::T;
   static IABN_HD T forward(T z, T s) { return M::if_nonneg(z, z, z * s); }
   static IABN_HD T inverse(T y, T, T s) { return M::if_signbit(y, y / s, y); }
-  static IABN_HD T deriv(T y, T, T s) { return M::if_signbit(y, s, M::c(1.0)); }
+  static IABN_HD T deriv(T y, T, T s) { return M::if_less(M::c(0.0), y, M::c(1.0), s); }
   static IABN_HD T inverse_deriv(T y, T left, T s, T& d) {
     d = deriv(y, y, s);
     return inverse(y, left, s);
@@ -145,7 +146,7 @@ struct Activation<Act::Elu, M> {
     return M::if_less(y, a * M::c(kMinExpm1()), a * M::c(0.00048828125 - 1.0), y);
   }
   static IABN_HD T inverse(T y, T, T a) { return M::if_signbit(y, M::log1p(unsaturate(y, a) / a), y); }
-  static IABN_HD T deriv(T y, T, T a) { return M::if_signbit(y, unsaturate(y, a) + a, M::c(1.0)); }
+  static IABN_HD T deriv(T y, T, T a) { return M::if_less(M::c(0.0), y, M::c(1.0), unsaturate(y, a) + a); }
   static IABN_HD T inverse_deriv(T y, T left, T a, T& d) {
     d = deriv(y, y, a);
     return inverse(y, left, a);
@@ -177,7 +178,7 @@ struct Activation<Act::Elu, M> {
 // terms stay O(1) where f underflows (z -> -inf):
 //   G = z - y (1 + e^-z), G' = 1 + z (1 - s), G'' = (1 - s)(2 + z (1 - 2s)).
 // Within d_skip of y* the guess is kept as it is (see inverse_deriv); before
-// another step, iterates are clamped above zmin so that e^-z stays finite.
+// another step and at the end, iterates are clamped above zmin so that e^-z stays finite.
 // f'(z) for the backward reuses the last step's f'/s and f''/s:
 // f'(z - dz) = f'(z) - f''(z) dz (error ~ dz^2, below the rounding error once
 // the iteration has converged).
@@ -290,7 +291,7 @@ struct Activation<Act::Silu, M> {
         dz = z - zn;
         z = zn;
       } else {
-        z = z - dz;
+        z = M::max(z - dz, M::c(zmin()));  // deriv_of_z(z) needs e^-z finite too
       }
     }
     // f'(z - dz) = f'(z) - f''(z) dz + O(dz^2), f' = s gp, f'' = s gpp

@@ -259,3 +259,47 @@ def test_silu_float32_error_distribution(backend, size):
         got = [t.median().item(), torch.quantile(t, 0.99).item(), t.max().item()]
         assert got[0] <= median and got[1] <= p99 and got[2] <= worst, (
             f"{k}: median, p99, worst {got} above {(median, p99, worst)}")
+
+
+# Pre-activations far beyond ordinary data: where e^-z or 1 + e^-z overflow,
+# where e^z underflows, and beyond the range in which the float32 exp's
+# argument reduction is exact (|z| > ~1e4). The AVX512 kernels once returned
+# NaN for SiLU at z <= -88.8 (a Newton step on 1 / inf) and inf / NaN at
+# |z| = 1e30 (an unclamped exp).
+EXTREME_Z = [-1e30, -1e4, -200.0, -100.0, -90.0, -88.8, -88.0, -50.0, -20.0, -1.0, -0.0, 0.0, 1.0, 20.0,
+             88.0, 89.0, 100.0, 1e4, 1e30]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["3d", "4d_channels_last"])  # planes and rows (src/cpu/kernel_utils.h)
+@pytest.mark.parametrize("activation", ["identity", "leaky_relu", "elu", "silu"])
+def test_extreme_preactivations(backend, activation, layout, dtype):
+    """Eval mode with z = x exactly (mean 0, var + eps = 1, gamma~ = 1, beta = 0):
+    y, dx and db against float64 autograd, element by element. Where the
+    output saturates (SiLU below -88, ELU's flat tail) the inverse cannot see
+    z, but f'(z) is 0 to within the dtype's resolution there, so dx is too."""
+    z = torch.tensor(EXTREME_Z, dtype=torch.float64)
+    shape = (2, 3, 640) if layout == "3d" else (2, 3, 20, 32)
+    n = torch.Size(shape).numel()
+    zz = z.repeat(n // len(z) + 1)[:n].view(shape)
+    eps = 1e-5 if dtype == torch.float32 else 2.0 ** -20  # var = 1 - eps exact in both dtypes
+    weight = torch.full((3,), 1.0 - eps, dtype=dtype, requires_grad=True)  # gamma~ = |w| + eps = 1
+    bias = torch.zeros(3, dtype=dtype, requires_grad=True)
+    x = zz.to(dtype, copy=True).contiguous(memory_format=LAYOUTS[layout][1]).requires_grad_()
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mean, var = torch.zeros(3, dtype=dtype), torch.full((3,), 1.0 - eps, dtype=dtype)
+    y = functions.inplace_abn(x * 1, weight, bias, mean, var, False, 0.1, eps, activation, PARAM[activation])
+    y.backward(dy.to(dtype))
+    zr = zz.clone().requires_grad_()
+    from reference import ACTIVATIONS as REF
+    yr = REF[activation](zr, PARAM[activation])
+    yr.backward(dy)
+    rtol, tiny = (1e-5, 1e-30) if dtype == torch.float32 else (1e-12, 1e-300)
+    # dx at a saturated output: f'(z) recovered from the dtype's least output (ELU: alpha 2^-24 / 2^-53)
+    gtol = 1e-6 if dtype == torch.float32 else 1e-14
+    for name, ours, ref, atol in (("y", y, yr, tiny), ("dx", x.grad, zr.grad, gtol)):
+        ours = ours.detach().double()
+        bad = ~((ours - ref).abs() <= rtol * ref.abs() + atol) | (ours.isfinite() != ref.isfinite())
+        assert not bad.any(), f"{name} at z = {zz[bad][:4].tolist()}: {ours[bad][:4].tolist()} vs {ref[bad][:4].tolist()}"
+    db_ref = zr.grad.sum(dim=[d for d in range(len(shape)) if d != 1])
+    assert torch.allclose(bias.grad.double(), db_ref, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=gtol * n)
