@@ -80,6 +80,7 @@ def test_bitwise_reproducible(backend):
     ((8, 24, 17, 17), torch.channels_last),      # rows path, odd channel count
     ((16, 96, 7, 7), torch.contiguous_format),   # rows path for small planes
     ((3000, 37), torch.contiguous_format),       # N x C, mask words straddling tasks
+    ((4, 16, 14, 14), torch.contiguous_format),  # small: split in tasks for SiLU only (kCost)
 ])
 @pytest.mark.parametrize("activation", ["leaky_relu", "silu"])
 def test_native_result_independent_of_thread_count(shape, fmt, activation):

@@ -46,7 +46,7 @@ void backward_reduce_t(const KernelArgs& a) {
         u = gz;
         v = zc;
       },
-      s1.data(), s2.data());
+      s1.data(), s2.data(), kCost<A>);
   const F* gain = coef_row<F>(a, kRedGain);
   F* sum_gz = a.out1.data_ptr<F>();
   F* sum_gz_xhat = a.out2.data_ptr<F>();

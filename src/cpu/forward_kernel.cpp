@@ -23,7 +23,7 @@ void forward_t(const KernelArgs& a) {
   F* zout = ZOUT ? a.out1.data_ptr<F>() : nullptr;
   const V p(static_cast<F>(a.param));
   // Tasks start on mask-word boundaries so that no two write the same word.
-  at::parallel_for(0, (g.numel + 31) / 32, kGrain / 32, [&](int64_t w0, int64_t w1) {
+  at::parallel_for(0, (g.numel + 31) / 32, kGrain / kCost<A> / 32, [&](int64_t w0, int64_t w1) {
     // local copies: the captured originals' addresses escape into the thread pool, so
     // each vector store reloaded them (leaky_relu forward_ 16x64x56x56, 2 threads: 0.50 -> 0.38 ms)
     S* const x_ = x;
