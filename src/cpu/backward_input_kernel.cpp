@@ -22,7 +22,7 @@ void backward_input_t(const KernelArgs& a) {
   S* dx = a.out1.data_ptr<S>();
   S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
   const V p(static_cast<F>(a.param));
-  at::parallel_for(0, g.numel, kGrain / kCost<A>, [&](int64_t e0, int64_t e1) {
+  at::parallel_for(0, g.numel, kGrain, [&](int64_t e0, int64_t e1) {
     // local copies kept in registers (see forward_kernel.cpp)
     const S *const y_ = y, *const dy_ = dy, *const res_ = res;
     const int32_t* const mask_ = mask;
