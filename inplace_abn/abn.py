@@ -85,36 +85,34 @@ class ABN(nn.Module):
             nn.init.ones_(self.weight)
             nn.init.zeros_(self.bias)
 
-    def _counts_batch(self) -> bool:
-        return self.training and self.track_running_stats and self.num_batches_tracked is not None
-
-    def _momentum_and_training(self):
-        """(momentum, use batch statistics) for this call, as torch.nn.BatchNorm computes them.
-
-        The batch is counted only once the layer has run (`_count_batch`), so
-        that an input the layer refuses leaves num_batches_tracked, like the
-        running statistics, as it was.
+    def _batch_state(self):
+        """(momentum, use batch statistics, running_mean, running_var, counter) for
+        this call, as torch.nn.BatchNorm computes them. ``counter`` is the
+        num_batches_tracked to count the batch in once the layer has run
+        (`_count_batch`; None: not counted), so that an input the layer refuses
+        leaves it, like the running statistics, as it was. (Each parameter or
+        buffer read is an nn.Module.__getattr__ call, ~0.4 us: read once.)
         """
-        momentum = 0.0 if self.momentum is None else self.momentum
-        if self._counts_batch() and self.momentum is None:
-            momentum = 1.0 / float(self.num_batches_tracked + 1)
-        training = self.training or self.running_mean is None
-        return momentum, training
+        training, track = self.training, self.track_running_stats
+        running_mean, running_var = self.running_mean, self.running_var
+        counter = self.num_batches_tracked if training and track else None
+        momentum = self.momentum
+        if momentum is None:
+            momentum = 1.0 / float(counter + 1) if counter is not None else 0.0
+        use_batch_stats = training or running_mean is None
+        if training and not track:
+            running_mean = running_var = None
+        return momentum, use_batch_stats, running_mean, running_var, counter
 
-    def _count_batch(self) -> None:
-        if self._counts_batch():
-            self.num_batches_tracked.add_(1)
-
-    def _running_stats(self):
-        if self.training and not self.track_running_stats:
-            return None, None
-        return self.running_mean, self.running_var
+    @staticmethod
+    def _count_batch(counter) -> None:
+        if counter is not None:
+            counter.add_(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        momentum, training = self._momentum_and_training()
-        running_mean, running_var = self._running_stats()
+        momentum, training, running_mean, running_var, counter = self._batch_state()
         x = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training, momentum, self.eps)
-        self._count_batch()
+        self._count_batch(counter)
         return self._activate(x)
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,11 +180,10 @@ class InPlaceABN(ABN):
         self.weight_mode = weight_mode
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        momentum, training = self._momentum_and_training()
-        running_mean, running_var = self._running_stats()
+        momentum, training, running_mean, running_var, counter = self._batch_state()
         y = inplace_abn(x, self.weight, self.bias, running_mean, running_var, training, momentum, self.eps,
                         self.activation, self.activation_param, residual=residual, weight_mode=self.weight_mode)
-        self._count_batch()
+        self._count_batch(counter)
         return y
 
     def extra_repr(self) -> str:
@@ -236,10 +233,9 @@ class InPlaceABNSync(InPlaceABN):
             # Eval never synchronises (like torch.nn.SyncBatchNorm), so validation on a
             # subset of ranks cannot hang, even with track_running_stats=False.
             return super().forward(x, residual)
-        momentum, training = self._momentum_and_training()
-        running_mean, running_var = self._running_stats()
+        momentum, training, running_mean, running_var, counter = self._batch_state()
         y = inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
                              self.eps, self.activation, self.activation_param, self.group, residual=residual,
                              weight_mode=self.weight_mode)
-        self._count_batch()
+        self._count_batch(counter)
         return y

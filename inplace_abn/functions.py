@@ -168,7 +168,7 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
         raise ValueError(f"{op}: weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
     if not eps > 0:
         raise ValueError(f"{op}: eps must be > 0, got {eps}")
-    C, device = x.shape[1], x.device
+    C, on_cpu = x.shape[1], x.is_cpu
     shape = (C,)
     for name, t in per_channel.items():  # (a hot loop: ~1 us per layer call)
         if t is None:
@@ -180,14 +180,15 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
             )
         if not t.is_floating_point():
             raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
-        if t.device != device:
+        # (.device builds a torch.device per call; is_cpu settles the common case)
+        if not (on_cpu and t.is_cpu) and t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but the input is on {x.device}")
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(
                 f"{op}: residual must have the input's shape {list(x.shape)}, got {list(residual.shape)}"
             )
-        if residual.device != x.device:
+        if not (on_cpu and residual.is_cpu) and residual.device != x.device:
             raise ValueError(f"{op}: residual is on {residual.device} but the input is on {x.device}")
     if torch.autograd.forward_ad._current_level >= 0:  # a dual level is entered: tangents possible
         _check_no_tangents(x=x, residual=residual, **per_channel)

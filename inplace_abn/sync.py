@@ -176,11 +176,10 @@ class ABNSync(ABN):
             raise ValueError(f"ABNSync: expected an input of shape (N, {self.num_features}, ...), "
                              f"got {list(x.shape)}")
         group = _distributed.resolve_group(self.group)
-        momentum, _ = self._momentum_and_training()
-        running_mean, running_var = self._running_stats()
+        momentum, _, running_mean, running_var, counter = self._batch_state()
         z = _SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean, running_var, momentum,
                                          float(self.eps), group)
-        self._count_batch()
+        self._count_batch(counter)
         return self._activate(z)
 
 

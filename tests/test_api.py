@@ -277,10 +277,12 @@ def test_batchnorm_weights_load_in_signed_mode(backend):
 def test_running_stats_follow_batchnorm(backend, cls, momentum):
     bn = nn.BatchNorm2d(5, momentum=momentum).double()
     layer = cls(5, momentum=momentum, activation="identity").double()
-    for step in range(3):
+    for step in range(4):
         x = _x(4, 5, 3, 3, dtype=torch.float64, seed=step) * 2 + 1
-        bn(x.clone()), layer(x.clone())
-    assert layer.num_batches_tracked.item() == 3
+        bn.train(step != 1), layer.train(step != 1)  # an eval step neither counts nor updates
+        y_bn, y = bn(x.clone()), layer(x.clone())
+        assert rel_err(y, y_bn) < 1e-4  # (|w| + eps scale)
+    assert layer.num_batches_tracked.item() == bn.num_batches_tracked.item() == 3
     assert rel_err(layer.running_mean, bn.running_mean) < 1e-12
     assert rel_err(layer.running_var, bn.running_var) < 1e-12
 
