@@ -532,3 +532,43 @@ def test_native_result_independent_of_thread_count(shape, groups, fmt, activatio
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             assert torch.equal(a, b)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
+def test_extreme_preactivations(backend, activation, fmt, dtype):
+    """Channels scaled far out (gamma up to 1e30, beta up to +-100): y element by
+    element against float64 group_norm + activation, every gradient finite,
+    and dx as the reference's at every element whose output keeps its z
+    (SiLU below z ~ -88 / -700 and ELU's flat tail lose it: the in-place floor;
+    their gz ~ 0 keeps them out of the others' dx).
+    test_accuracy.py::test_extreme_preactivations has the BatchNorm layer."""
+    gammas = [1e-3, 1.0, 10.0, 100.0, 1e4, 1e30, 1.0, 1e-3]
+    betas = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -100.0, 100.0]
+    C = len(gammas)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, C, 4, 8, generator=g, dtype=torch.float64)
+    case = dict(x=x, w=torch.tensor(gammas, dtype=torch.float64), b=torch.tensor(betas, dtype=torch.float64),
+                dy=torch.randn(x.shape, generator=g, dtype=torch.float64), residual=None)
+    name = "4d" if fmt == torch.contiguous_format else "4d_channels_last_words"
+    saved = LAYOUTS[name]
+    LAYOUTS[name] = ((2, C, 4, 8), 4, fmt)  # groups of 2 channels
+    try:
+        ours = run(case, "ours", name, activation, "signed", False, dtype=dtype)
+        ref = run(case, "stock", name, activation, "signed", False, dtype=torch.float64)
+        z = stock_gn(x, 4, case["w"], case["b"], activation="identity", weight_mode="signed")
+    finally:
+        LAYOUTS[name] = saved
+    rtol, tiny = (1e-5, 1e-30) if dtype == torch.float32 else (1e-12, 1e-300)
+    y, yr = ours["y"].double(), ref["y"]
+    bad = ~((y - yr).abs() <= rtol * yr.abs() + tiny) | (y.isfinite() != yr.isfinite())
+    assert not bad.any(), f"y at z = {z[bad][:4].tolist()}: {y[bad][:4].tolist()} vs {yr[bad][:4].tolist()}"
+    for k in ("dx", "dw", "db"):
+        assert ours[k].isfinite().all(), f"{k} not finite at z = {z[~ours[k].isfinite()][:4].tolist()}"
+    lost = {"silu": -85.0 if dtype == torch.float32 else -700.0,
+            "elu": -15.0 if dtype == torch.float32 else -36.0}.get(activation, -float("inf"))
+    keep = z > lost
+    dx, dxr = ours["dx"].double()[keep], ref["dx"][keep]
+    assert ((dx - dxr).norm() / dxr.norm()).item() < (1e-4 if dtype == torch.float32 else 1e-9)
