@@ -136,7 +136,11 @@ def _silu_guess(y, left):
     d = torch.sqrt(y - SILU_YSTAR)
     # z* + d P(d), P_R on the right branch (d <= sqrt(8 - y*)), P_L on the left (d <= sqrt(-0.1 - y*))
     dd = torch.minimum(d, pick(2.8772320974785948, 0.4224506394374067))
-    z = _horner(dd, [pick(r, l) for r, l in zip(_SILU_P_RIGHT, _SILU_P_LEFT)] + [SILU_ZSTAR])
+    c = [pick(r, l) for r, l in zip(_SILU_P_RIGHT, _SILU_P_LEFT)]  # c8 .. c1
+    # Estrin's scheme, as activations.h evaluates it
+    dd2 = dd * dd
+    q0, q1, q2, q3 = dd * c[6] + c[7], dd * c[4] + c[5], dd * c[2] + c[3], dd * c[0] + c[1]
+    z = dd * ((dd2 * dd2) * (dd2 * q3 + q2) + (dd2 * q1 + q0)) + SILU_ZSTAR
     z = torch.where(y > 8.0, y, z)  # right branch, y > 8: z = y
     # left tail, y > -0.1: v = -log(-y), -z = v + P_M(v) (v <= 7) or v + P_T(log v)
     tail = left & (y > -0.1)

@@ -204,18 +204,22 @@ struct Activation<Act::Silu, M> {
   // Initial guess (see above); y >= y* already.
   static IABN_HD T guess(T y, T left, T& d) {
     d = M::sqrt(y - M::c(kSiluYStar));
-    // z* + d P(d), P_R (right branch, d <= sqrt(8 - y*)) or P_L (left,
-    // d <= sqrt(-0.1 - y*)), both degree 8, evaluated as one Horner chain
-    // with the coefficients selected per lane
+    // z* + d P(d) (degree 8 in d), P_R (right branch, d <= sqrt(8 - y*)) or
+    // P_L (left, d <= sqrt(-0.1 - y*)), coefficients c1..c8 of P selected per
+    // lane, evaluated by Estrin's scheme: the inverse is one long dependency
+    // chain per vector, of which Horner's 8 dependent fmas were a large link
+    // (AVX2 backward_reduce SiLU 16x64x56x56, 1 thread: 7.2 -> 6.2 ms)
     T dd = M::min(d, pick(left, 2.8772320974785948, 0.4224506394374067));
-    T p = M::fma(dd, pick(left, -0.0043686086494414723, -2456.5751156132851),
-                 pick(left, 0.062003737048004402, 2846.9829655336471));
-    p = M::fma(dd, p, pick(left, -0.36262603785051117, -1371.8111195864028));
-    p = M::fma(dd, p, pick(left, 1.1115199507157363, 319.24391719304128));
-    p = M::fma(dd, p, pick(left, -1.9551651604062918, -44.01896125413203));
-    p = M::fma(dd, p, pick(left, 2.3944104373567097, -0.55674147407820462));
-    p = M::fma(dd, p, pick(left, -2.0065284169598572, -2.1119491106932879));
-    p = M::fma(dd, p, pick(left, 3.0292001880235917, -3.0300407982908322));
+    const T dd2 = dd * dd;
+    const T q0 = M::fma(dd, pick(left, -2.0065284169598572, -2.1119491106932879),
+                        pick(left, 3.0292001880235917, -3.0300407982908322));
+    const T q1 = M::fma(dd, pick(left, -1.9551651604062918, -44.01896125413203),
+                        pick(left, 2.3944104373567097, -0.55674147407820462));
+    const T q2 = M::fma(dd, pick(left, -0.36262603785051117, -1371.8111195864028),
+                        pick(left, 1.1115199507157363, 319.24391719304128));
+    const T q3 = M::fma(dd, pick(left, -0.0043686086494414723, -2456.5751156132851),
+                        pick(left, 0.062003737048004402, 2846.9829655336471));
+    const T p = M::fma(dd2 * dd2, M::fma(dd2, q3, q2), M::fma(dd2, q1, q0));
     T z = M::fma(dd, p, M::c(kSiluZStar));
     // right branch, y > 8: z = y (z - y = y e^-z < 3e-3)
     z = M::if_less(M::c(8.0), y, y, z);
