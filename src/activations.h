@@ -208,7 +208,8 @@ struct Activation<Act::Silu, M> {
     // P_L (left, d <= sqrt(-0.1 - y*)), coefficients c1..c8 of P selected per
     // lane, evaluated by Estrin's scheme: the inverse is one long dependency
     // chain per vector, of which Horner's 8 dependent fmas were a large link
-    // (AVX2 backward_reduce SiLU 16x64x56x56, 1 thread: 7.2 -> 6.2 ms)
+    // (AVX2 backward_reduce keeping z, SiLU 16x64x56x56, 1 thread: 7.2 -> 6.2 ms;
+    // ad-hoc timing, as benchmarks/bench_cpu_ops.py's "reduce keeping z" column)
     T dd = M::min(d, pick(left, 2.8772320974785948, 0.4224506394374067));
     const T dd2 = dd * dd;
     const T q0 = M::fma(dd, pick(left, -2.0065284169598572, -2.1119491106932879),

@@ -41,8 +41,8 @@ HALF = (torch.bfloat16, torch.float16)
 def run(case, fn, layout, activation, weight_mode, with_residual, dtype=None, eps=1e-5):
     """Forward + backward of "ours" or "stock" on the case (in ``dtype`` when
     given, else the case's); returns y and the gradients of x, weight, bias
-    (and residual)."""
-    shape, groups, fmt = LAYOUTS[layout]
+    (and residual). ``layout``: a name of LAYOUTS or a (shape, groups, format)."""
+    shape, groups, fmt = LAYOUTS[layout] if isinstance(layout, str) else layout
     conv = (lambda t: t.to(dtype, copy=True)) if dtype is not None else (lambda t: t.clone())
     x0 = conv(case["x"]).contiguous(memory_format=fmt).requires_grad_()
     w, b = conv(case["w"]).requires_grad_(), conv(case["b"]).requires_grad_()
@@ -552,15 +552,10 @@ def test_extreme_preactivations(backend, activation, fmt, dtype):
     x = torch.randn(2, C, 4, 8, generator=g, dtype=torch.float64)
     case = dict(x=x, w=torch.tensor(gammas, dtype=torch.float64), b=torch.tensor(betas, dtype=torch.float64),
                 dy=torch.randn(x.shape, generator=g, dtype=torch.float64), residual=None)
-    name = "4d" if fmt == torch.contiguous_format else "4d_channels_last_words"
-    saved = LAYOUTS[name]
-    LAYOUTS[name] = ((2, C, 4, 8), 4, fmt)  # groups of 2 channels
-    try:
-        ours = run(case, "ours", name, activation, "signed", False, dtype=dtype)
-        ref = run(case, "stock", name, activation, "signed", False, dtype=torch.float64)
-        z = stock_gn(x, 4, case["w"], case["b"], activation="identity", weight_mode="signed")
-    finally:
-        LAYOUTS[name] = saved
+    layout = ((2, C, 4, 8), 4, fmt)  # groups of 2 channels
+    ours = run(case, "ours", layout, activation, "signed", False, dtype=dtype)
+    ref = run(case, "stock", layout, activation, "signed", False, dtype=torch.float64)
+    z = stock_gn(x, 4, case["w"], case["b"], activation="identity", weight_mode="signed")
     rtol, tiny = (1e-5, 1e-30) if dtype == torch.float32 else (1e-12, 1e-300)
     y, yr = ours["y"].double(), ref["y"]
     bad = ~((y - yr).abs() <= rtol * yr.abs() + tiny) | (y.isfinite() != yr.isfinite())

@@ -477,7 +477,8 @@ constexpr int64_t kGrain = 16384;
 // inverse per element makes a layer of 10k elements worth two threads
 // (forward_ and the reductions divide their grain and unit sizes by it;
 // backward_input does not: GCC then compiled its from-z SiLU loop 20% slower,
-// 16x64x56x56 on AVX2, 1 thread, 1.85 -> 2.25 ms).
+// 16x64x56x56 on AVX2, 1 thread, 1.85 -> 2.25 ms: an ad-hoc timing of the
+// operator alone, as benchmarks/bench_cpu_ops.py's "input from z" column).
 template <Act A>
 constexpr int64_t kCost = A == Act::Silu ? 4 : A == Act::Elu ? 2 : 1;
 
