@@ -66,6 +66,9 @@ struct ScalarMath {
   static IABN_HD T c(double v) { return static_cast<T>(v); }
   static IABN_HD T fma(T a, T b, T c) { return a * b + c; }
   static IABN_HD T exp(T x) { return iabn_exp(x); }
+  // e^x for x <= 87 only; below the underflow threshold it may return the
+  // smallest normal number instead of 0 (a vector policy skips saturation)
+  static IABN_HD T exp_capped(T x) { return iabn_exp(x); }
   static IABN_HD T expm1(T x) { return iabn_expm1(x); }
   static IABN_HD T log(T x) { return iabn_log(x); }
   static IABN_HD T log1p(T x) { return iabn_log1p(x); }
@@ -263,7 +266,7 @@ struct Activation<Act::Silu, M> {
 
   // f'(z) = s (1 + z (1 - s)) from z itself (z >= zmin, as the inverse returns)
   static IABN_HD T deriv_of_z(T z) {
-    T e = M::exp(M::c(0.0) - z);
+    T e = M::exp_capped(M::c(0.0) - z);
     T s = M::rcp(M::c(1.0) + e);
     return s * M::fma(z, e * s, M::c(1.0));
   }
@@ -281,7 +284,7 @@ struct Activation<Act::Silu, M> {
     const T d_skip = M::c(IsSingle<M>::value ? 1e-2 : 1e-7);
     T s = M::c(0.5), gp = M::c(0.0), gpp = M::c(0.0), dz = M::c(0.0);
     for (int i = 0; i < iters; ++i) {
-      T e = M::exp(M::c(0.0) - z);
+      T e = M::exp_capped(M::c(0.0) - z);  // z >= zmin: -z <= 87
       T q = one + e;
       s = M::rcp(q);
       T oms = e * s;  // 1 - s, accurate when s -> 1

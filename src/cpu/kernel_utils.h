@@ -132,10 +132,14 @@ inline Vectorized<F> vmin(const Vectorized<F>& a, const Vectorized<F>& b) {
 }
 
 // e^x, float: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and
-// Cephes' expf polynomial (about 1 ulp); at::vec's exp calls Sleef, which
-// costs more than the whole computation here. 2^n is built from its exponent
-// bits: n stays in [-126, 127] (e^x capped at e^88.03 below the overflow
-// threshold 88.72, inf above it; 0 below -87.34).
+// Cephes' expf polynomial (about 1 ulp), evaluated by Estrin's scheme; at::vec's
+// exp calls Sleef, which costs more than the whole computation here. 2^n is
+// built from its exponent bits: n stays in [-126, 127] (e^x capped at e^88.03
+// below the overflow threshold 88.72, inf above it; 0 below -87.34).
+// kSat = false (exp_capped): x <= 87 only, and 2^-126 e^r instead of 0 below
+// -87.34: the SiLU inverse's e^-z, z >= zmin, where the two saturating selects
+// cost 5% of the AVX2 inverse (ad-hoc timing of the float inverse alone, 1 thread).
+template <bool kSat = true>
 inline Vectorized<float> vexp(const Vectorized<float>& x) {
   using V = Vectorized<float>;
   using VI = Vectorized<int32_t>;
@@ -143,28 +147,30 @@ inline Vectorized<float> vexp(const Vectorized<float>& x) {
   // AVX512: p 2^n by vscalefps, which saturates to 0 / inf itself; the clamp
   // keeps r accurate (beyond |x| ~ 1e4, n ln2 is no longer exact and p blew
   // up: e^-1e30 gave inf, then NaN through scalef).
-  const V xv = vmin(vmax(x, V(-110.f)), V(89.f));  // keeps NaN
+  const V lo = vmax(x, V(-110.f));  // keeps NaN
+  const V xv = kSat ? vmin(lo, V(89.f)) : lo;
 #else
-  const V xv = vmin(vmax(x, V(-87.3365447504f)), V(88.02969193f));  // keeps NaN
+  const V lo = vmax(x, V(-87.3365447504f));
+  const V xv = kSat ? vmin(lo, V(88.02969193f)) : lo;
 #endif
   const V n = (xv * V(1.44269504088896341f)).round();
   V r = at::vec::fnmadd(n, V(0.693359375f), xv);
   r = at::vec::fnmadd(n, V(-2.12194440e-4f), r);
-  V p = V(1.9875691500e-4f);
-  p = at::vec::fmadd(p, r, V(1.3981999507e-3f));
-  p = at::vec::fmadd(p, r, V(8.3334519073e-3f));
-  p = at::vec::fmadd(p, r, V(4.1665795894e-2f));
-  p = at::vec::fmadd(p, r, V(1.6666665459e-1f));
-  p = at::vec::fmadd(p, r, V(5.0000001201e-1f));
-  p = at::vec::fmadd(p, r * r, r + V(1.f));
+  const V r2 = r * r;
+  const V p5 = at::vec::fmadd(V(1.9875691500e-4f), r, V(1.3981999507e-3f));
+  const V p3 = at::vec::fmadd(V(8.3334519073e-3f), r, V(4.1665795894e-2f));
+  const V p1 = at::vec::fmadd(V(1.6666665459e-1f), r, V(5.0000001201e-1f));
+  const V p = at::vec::fmadd(at::vec::fmadd(r2 * r2, p5, at::vec::fmadd(r2, p3, p1)), r2, r + V(1.f));
 #if defined(CPU_CAPABILITY_AVX512)
   return _mm512_scalef_ps(p, n);
 #else
   const VI e = (at::vec::convert_to_int_of_same_size(n) + VI(127)) << VI(23);
-  const V res = sel<Cmp::Lt>(x, V(-87.3365447504f), V(0.f), p * at::vec::cast<float>(e));
-  return sel<Cmp::Lt>(V(88.7228391f), x, V(INFINITY), res);
+  const V res = p * at::vec::cast<float>(e);
+  if constexpr (!kSat) return res;
+  return sel<Cmp::Lt>(V(88.7228391f), x, V(INFINITY), sel<Cmp::Lt>(x, V(-87.3365447504f), V(0.f), res));
 #endif
 }
+template <bool kSat = true>
 inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 
 // log(x), x > 0 normal, float: x = m 2^e, m in [sqrt(1/2), sqrt(2)), and
@@ -204,6 +210,7 @@ struct VecMath {
   static T c(double v) { return T(static_cast<F>(v)); }
   static T fma(const T& a, const T& b, const T& c) { return at::vec::fmadd(a, b, c); }
   static T exp(const T& x) { return vexp(x); }
+  static T exp_capped(const T& x) { return vexp<false>(x); }
   static T log(const T& x) { return vlog(x); }
   static T sqrt(const T& x) { return x.sqrt(); }
   // AVX512 float: 14-bit estimate + one Newton step (error ~2^-28) instead of
