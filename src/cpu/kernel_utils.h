@@ -601,17 +601,13 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         buf[2 * u + 1] = lane_sum(s2);
       }
     });
-    const int64_t N = planes / C;
-    for (int64_t c = 0; c < C; ++c) {
-      double a1 = 0, a2 = 0;
-      for (int64_t nn = 0; nn < N; ++nn)
-        for (int64_t pt = 0; pt < parts; ++pt) {
-          const int64_t u = (nn * C + c) * parts + pt;
-          a1 += buf[2 * u];
-          a2 += buf[2 * u + 1];
-        }
-      out1[c] = a1;
-      out2[c] = a2;
+    // per channel in unit order (samples, then plane parts), walking buf in memory order
+    std::fill(out1, out1 + C, 0.0);
+    std::fill(out2, out2 + C, 0.0);
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t c = (u / parts) % C;
+      out1[c] += buf[2 * u];
+      out2[c] += buf[2 * u + 1];
     }
   } else {
     const int64_t R = super_row(g);
@@ -696,14 +692,16 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
           }
       }
     });
-    for (int64_t c = 0; c < C; ++c) {
-      double a1 = 0, a2 = 0;
-      for (int64_t u = 0; u < units; ++u) {
-        a1 += buf[2 * C * u + c];
-        a2 += buf[2 * C * u + C + c];
+    // per channel in unit order, walking buf in memory order (channel-major, a
+    // stride of 2 C doubles per step, took a third of the time at 4096x512)
+    std::fill(out1, out1 + C, 0.0);
+    std::fill(out2, out2 + C, 0.0);
+    for (int64_t u = 0; u < units; ++u) {
+      const double* o = buf.data() + 2 * C * u;
+      for (int64_t c = 0; c < C; ++c) {
+        out1[c] += o[c];
+        out2[c] += o[C + c];
       }
-      out1[c] = a1;
-      out2[c] = a2;
     }
   }
 }
