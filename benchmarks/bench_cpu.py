@@ -45,8 +45,10 @@ import torch.nn as nn
 import inplace_abn
 from inplace_abn import InPlaceABN
 
-ACT = {"leaky_relu": lambda: nn.LeakyReLU(0.01, inplace=True), "silu": lambda: nn.SiLU(inplace=True),
+ACT = {"identity": nn.Identity, "leaky_relu": lambda: nn.LeakyReLU(0.01, inplace=True),
+       "elu": lambda: nn.ELU(1.0, inplace=True), "silu": lambda: nn.SiLU(inplace=True),
        "relu": lambda: nn.ReLU(inplace=True)}
+PARAM = {"leaky_relu": 0.01, "elu": 1.0}  # activation_param of ours, as stock's above
 
 
 def keep_freed_memory() -> bool:
@@ -93,7 +95,7 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
     src = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
     dy = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
     leaf = src.clone().requires_grad_()
-    ours = InPlaceABN(C, activation=activation, activation_param=0.01).to(dtype)
+    ours = InPlaceABN(C, activation=activation, activation_param=PARAM.get(activation, 0.01)).to(dtype)
     bn = nn.BatchNorm2d(C) if len(shape) == 4 else nn.BatchNorm1d(C)
     stock = nn.Sequential(bn, ACT[activation]()).to(dtype)
 
@@ -128,7 +130,7 @@ def cases(quick, only=None):
     for k, shape in enumerate(shapes):
         if only and "x".join(map(str, shape)) not in only.split(","):
             continue
-        for activation in ("leaky_relu", "silu") + (("relu",) if k == 0 else ()):
+        for activation in ("identity", "leaky_relu", "elu", "silu") + (("relu",) if k == 0 else ()):
             for cl in (False, True):
                 if not cl or len(shape) == 4:
                     yield shape, activation, cl
