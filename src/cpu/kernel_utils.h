@@ -131,6 +131,30 @@ inline Vectorized<F> vmin(const Vectorized<F>& a, const Vectorized<F>& b) {
   return at::vec::clamp_max(a, b);
 }
 
+// x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite), and e^r = 1 + r + r^2 P(r) with
+// Cephes' expf polynomial P evaluated by Estrin's scheme (the SiLU inverse is
+// one dependency chain per vector): e^x = 2^n fma(P, r^2, r + 1).
+struct ExpParts {
+  Vectorized<float> n, r, r2, P;
+  explicit ExpParts(const Vectorized<float>& x) {
+    using V = Vectorized<float>;
+    n = (x * V(1.44269504088896341f)).round();
+    r = at::vec::fnmadd(n, V(0.693359375f), x);
+    r = at::vec::fnmadd(n, V(-2.12194440e-4f), r);
+    r2 = r * r;
+    const V p5 = at::vec::fmadd(V(1.9875691500e-4f), r, V(1.3981999507e-3f));
+    const V p3 = at::vec::fmadd(V(8.3334519073e-3f), r, V(4.1665795894e-2f));
+    const V p1 = at::vec::fmadd(V(1.6666665459e-1f), r, V(5.0000001201e-1f));
+    P = at::vec::fmadd(r2 * r2, p5, at::vec::fmadd(r2, p3, p1));
+  }
+};
+
+// 2^n for integral n in [-126, 127], from its exponent bits.
+inline Vectorized<float> pow2(const Vectorized<float>& n) {
+  using VI = Vectorized<int32_t>;
+  return at::vec::cast<float>((at::vec::convert_to_int_of_same_size(n) + VI(127)) << VI(23));
+}
+
 // e^x, float: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and
 // Cephes' expf polynomial (about 1 ulp), evaluated by Estrin's scheme; at::vec's
 // exp calls Sleef, which costs more than the whole computation here. 2^n is
@@ -142,7 +166,6 @@ inline Vectorized<F> vmin(const Vectorized<F>& a, const Vectorized<F>& b) {
 template <bool kSat = true>
 inline Vectorized<float> vexp(const Vectorized<float>& x) {
   using V = Vectorized<float>;
-  using VI = Vectorized<int32_t>;
 #if defined(CPU_CAPABILITY_AVX512)
   // AVX512: p 2^n by vscalefps, which saturates to 0 / inf itself; the clamp
   // keeps r accurate (beyond |x| ~ 1e4, n ln2 is no longer exact and p blew
@@ -153,19 +176,12 @@ inline Vectorized<float> vexp(const Vectorized<float>& x) {
   const V lo = vmax(x, V(-87.3365447504f));
   const V xv = kSat ? vmin(lo, V(88.02969193f)) : lo;
 #endif
-  const V n = (xv * V(1.44269504088896341f)).round();
-  V r = at::vec::fnmadd(n, V(0.693359375f), xv);
-  r = at::vec::fnmadd(n, V(-2.12194440e-4f), r);
-  const V r2 = r * r;
-  const V p5 = at::vec::fmadd(V(1.9875691500e-4f), r, V(1.3981999507e-3f));
-  const V p3 = at::vec::fmadd(V(8.3334519073e-3f), r, V(4.1665795894e-2f));
-  const V p1 = at::vec::fmadd(V(1.6666665459e-1f), r, V(5.0000001201e-1f));
-  const V p = at::vec::fmadd(at::vec::fmadd(r2 * r2, p5, at::vec::fmadd(r2, p3, p1)), r2, r + V(1.f));
+  const ExpParts e(xv);
+  const V p = at::vec::fmadd(e.P, e.r2, e.r + V(1.f));
 #if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(p, e.n);
 #else
-  const VI e = (at::vec::convert_to_int_of_same_size(n) + VI(127)) << VI(23);
-  const V res = p * at::vec::cast<float>(e);
+  const V res = p * pow2(e.n);
   if constexpr (!kSat) return res;
   return sel<Cmp::Lt>(V(88.7228391f), x, V(INFINITY), sel<Cmp::Lt>(x, V(-87.3365447504f), V(0.f), res));
 #endif
@@ -173,9 +189,28 @@ inline Vectorized<float> vexp(const Vectorized<float>& x) {
 template <bool kSat = true>
 inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 
+// e^x - 1, float: with x = n ln2 + r, 2^n (e^r - 1) + (2^n - 1) in one fma
+// (2^n - 1 exact): 1.6 ulp at most over [-30, 88] (the Kahan form: 2.8);
+// x is clamped to -20, where e^x - 1 is -1 in float.
+// The Kahan form of VecMath::expm1 costs an exp, a log and a division: ELU
+// forward_ 4096x512, AVX2, 1 thread, 3.51 -> 1.05 ms (ad-hoc timing of the operator).
+inline Vectorized<float> vexpm1(const Vectorized<float>& x) {
+  using V = Vectorized<float>;
+  const V xv = vmin(vmax(x, V(-20.f)), V(88.7f));  // keeps NaN
+  const ExpParts e(xv);
+  const V t = pow2(e.n);
+  const V em1 = at::vec::fmadd(e.P, e.r2, e.r);
+  return sel<Cmp::Lt>(V(88.7228391f), x, V(INFINITY), at::vec::fmadd(t, em1, t - V(1.f)));
+}
+
 // log(x), x > 0 normal, float: x = m 2^e, m in [sqrt(1/2), sqrt(2)), and
-// Cephes' logf polynomial for log(m) (about 1 ulp).
-inline Vectorized<float> vlog(const Vectorized<float>& x) {
+// Cephes' logf polynomial for log(m) = log1p(m - 1) (about 1 ulp).
+// kP1: log1p(t) for x = 1 + t (rounded): where e = 0 the polynomial takes t
+// itself, so that no bits of a small t are lost; elsewhere the rounding of
+// 1 + t costs at most ~1.5 ulp. The Kahan form log(u) t / (u - 1) costs a
+// division more: ELU backward_reduce 4096x512, AVX2, 1 thread, 2.01 -> 1.72 ms.
+template <bool kP1 = false>
+inline Vectorized<float> vlog(const Vectorized<float>& x, const Vectorized<float>& t = {}) {
   using V = Vectorized<float>;
   using VI = Vectorized<int32_t>;
   const VI bits = at::vec::cast<int32_t>(x);
@@ -183,7 +218,8 @@ inline Vectorized<float> vlog(const Vectorized<float>& x) {
   const V m = at::vec::cast<float>((bits & VI(0x007fffff)) | VI(0x3f000000));  // [0.5, 1)
   const V small = m < V(0.707106781186547524f);
   e = e - (small & V(1.f));
-  const V f = (m - V(1.f)) + (small & m);  // 2m - 1 or m - 1
+  V f = (m - V(1.f)) + (small & m);  // 2m - 1 or m - 1
+  if constexpr (kP1) f = sel<Cmp::Ne>(e, V(0.f), f, t);
   const V z = f * f;
   V p = V(7.0376836292e-2f);
   p = at::vec::fmadd(p, f, V(-1.1514610310e-1f));
@@ -199,6 +235,7 @@ inline Vectorized<float> vlog(const Vectorized<float>& x) {
   p = at::vec::fmadd(z, V(-0.5f), p);
   return at::vec::fmadd(e, V(0.693359375f), f + p);
 }
+template <bool kP1 = false>
 inline Vectorized<double> vlog(const Vectorized<double>& x) { return x.log(); }
 
 // ---------------------------------------------------------------------------
@@ -227,9 +264,11 @@ struct VecMath {
     return T(F(1)) / x;
   }
   // at::vec's expm1 / log1p call Sleef versions that are very slow in
-  // libtorch builds; Kahan's compensated forms are accurate to a few ulp:
+  // libtorch builds. float: vexpm1 and vlog<true> above; double: Kahan's
+  // compensated forms, accurate to a few ulp:
   //   expm1(x) = (u - 1) x / log(u), u = e^x;  log1p(x) = log(u) x / (u - 1), u = 1 + x
   static T expm1(const T& x) {
+    if constexpr (std::is_same_v<F, float>) return vexpm1(x);
     const T one(F(1)), zero(F(0));
     T u = exp(x);
     T um1 = u - one;
@@ -238,6 +277,7 @@ struct VecMath {
     return sel<Cmp::Lt>(u, T(F(2)), r, um1);          // u >= 2: u - 1 is exact enough
   }
   static T log1p(const T& x) {
+    if constexpr (std::is_same_v<F, float>) return vlog<true>(x + T(1.f), x);
     const T one(F(1));
     T u = x + one;
     return sel<Cmp::Ne>(u, one, log(u) * x / (u - one), x);  // u == 1: x
