@@ -361,13 +361,14 @@ inline int64_t super_row(const Walk& g) {
 template <class Fn>
 inline void walk(const Walk& g, int64_t R, int64_t e0, int64_t e1, const Fn& fn) {
   if (!g.rows) {
-    int64_t p = e0 / g.inner;
+    const int64_t p = e0 / g.inner;
     int64_t o = e0 - p * g.inner;
+    int64_t c = p % g.C;  // counted on, not divided per plane: small planes (GroupNorm mode)
     while (e0 < e1) {
       int64_t n = std::min(e1 - e0, g.inner - o);
-      fn(e0, n, p % g.C);
+      fn(e0, n, c);
       e0 += n;
-      ++p;
+      c = c + 1 == g.C ? 0 : c + 1;
       o = 0;
     }
   } else {
@@ -603,12 +604,19 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     const int64_t grain = std::max<int64_t>(1, block / std::min(S, part));
     at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
       const Elem el = elem;  // a local copy stays in registers (see for_each_vector's callers)
+      // plane, part and channel of unit u, counted on from u0 (two divisions per unit
+      // were a large part of a unit of 64 elements, GroupNorm mode at 8x8 px)
+      int64_t pl = u0 / parts, pt = u0 - pl * parts, c = pl % C;
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t pl = u / parts, pt = u - pl * parts;
         const int64_t b = pl * S + pt * part;
         const int64_t n = std::min(part, S - pt * part);
         Coef<F, K, false> co;
-        for (int k = 0; k < K; ++k) co.set(k, src[k], noexp[k], pl % C);
+        for (int k = 0; k < K; ++k) co.set(k, src[k], noexp[k], c);
+        if (++pt == parts) {
+          pt = 0;
+          ++pl;
+          c = c + 1 == C ? 0 : c + 1;
+        }
         DPair<F> s1, s2;
         for (int k = 0; k < NP; ++k) s1.v[k] = s2.v[k] = D(0.0);
         auto acc_exact = [&](const V& uu, const V& vv) {
@@ -644,11 +652,13 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     // per channel in unit order (samples, then plane parts), walking buf in memory order
     std::fill(out1, out1 + C, 0.0);
     std::fill(out2, out2 + C, 0.0);
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t c = (u / parts) % C;
-      out1[c] += buf[2 * u];
-      out2[c] += buf[2 * u + 1];
-    }
+    const double* bp = buf.data();
+    for (int64_t nn = 0; nn < planes / C; ++nn)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t pt = 0; pt < parts; ++pt, bp += 2) {
+          out1[c] += bp[0];
+          out2[c] += bp[1];
+        }
   } else {
     const int64_t R = super_row(g);
     std::vector<F> exp[K];

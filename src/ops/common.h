@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 
@@ -176,7 +177,6 @@ struct ChannelInput {
   OptTensor t;
   double fill;
   int64_t div = 1, mod = 0;
-  int64_t index(int64_t k) const { return mod ? (k / div) % mod : k / div; }
 };
 
 // The (rows, C) table in the accumulation dtype of x: rows(v) maps the K
@@ -205,12 +205,29 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
   at::Tensor table = at::empty({int64_t(R), C}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "coef_table", [&] {
     scalar_t* out = table.template data_ptr<scalar_t>();
-    for (int64_t c = 0; c < C; ++c) {
-      std::array<double, K> vc;
-      for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[in[k].index(c)] : in[k].fill;
-      const auto r = rows(vc);
-      for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(r[i]);
-    }
+    // GroupNorm mode has N C columns: split them across threads, and count the
+    // entries read (q, r: k = q div + r) on instead of dividing per column (the
+    // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
+    at::parallel_for(0, C, 2048, [&](int64_t c0, int64_t c1) {
+      std::array<int64_t, K> q, r;
+      for (size_t k = 0; k < K; ++k) {
+        q[k] = c0 / in[k].div;
+        r[k] = c0 - q[k] * in[k].div;
+        if (in[k].mod) q[k] %= in[k].mod;
+      }
+      for (int64_t c = c0; c < c1; ++c) {
+        std::array<double, K> vc;
+        for (size_t k = 0; k < K; ++k) {
+          vc[k] = rd[k] ? (*rd[k])[q[k]] : in[k].fill;
+          if (++r[k] == in[k].div) {
+            r[k] = 0;
+            if (++q[k] == in[k].mod) q[k] = 0;
+          }
+        }
+        const auto rw = rows(vc);
+        for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
+      }
+    });
   });
   return table;
 }
