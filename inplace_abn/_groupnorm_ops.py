@@ -196,8 +196,9 @@ def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed
         return x.new_empty(0, dtype=torch.int32)
     if not _pure.is_channels_last(x):
         return _BN.forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, None, mean.shape[1])
-    masks = [_BN.forward_(x[n:n + 1], _nc(mean[n:n + 1], C), _nc(var[n:n + 1], C), weight, bias,
-                          _samples(residual, n), eps, act, p, signed) for n in range(N)]
+    mean_c, var_c = _nc(mean, C).view(N, C), _nc(var, C).view(N, C)  # once, a row per sample
+    masks = [_BN.forward_(x[n:n + 1], mean_c[n], var_c[n], weight, bias, _samples(residual, n), eps, act, p, signed)
+             for n in range(N)]
     return torch.cat(masks)
 
 

@@ -177,9 +177,11 @@ at::Tensor mask_of(const at::Tensor& mask, int64_t n, int64_t N) {
   const int64_t w = mask.numel() / N;
   return mask.numel() == 0 ? mask : mask.narrow(0, n * w, w);
 }
-at::Tensor per_channel(const at::Tensor& v, int64_t n, int64_t C) {
-  const int64_t G = v.size(1);
-  return v.narrow(0, n, 1).unsqueeze(2).expand({1, G, C / G}).reshape({C});
+// (N, G) -> (N, C), row n holding sample n's per-group values per channel;
+// built once per call, so that a sample's row costs one select
+at::Tensor per_channel(const at::Tensor& v, int64_t C) {
+  const int64_t N = v.size(0), G = v.size(1);
+  return v.unsqueeze(2).expand({N, G, C / G}).reshape({N, C});
 }
 
 // The GroupNorm layer (docs/DESIGN.md section 10): the BatchNorm operators in
@@ -214,8 +216,9 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
       }
       mean = at::stack(means);
       var = at::stack(vars);
+      const at::Tensor mean_c = per_channel(mean, C), var_c = per_channel(var, C);
       for (int64_t n = 0; n < N; ++n)
-        masks.push_back(ops().fwd.call(x.narrow(0, n, 1), per_channel(mean, n, C), per_channel(var, n, C), weight,
+        masks.push_back(ops().fwd.call(x.narrow(0, n, 1), mean_c[n], var_c[n], weight,
                                        bias, residual ? sample(*residual, n) : std::nullopt, eps, act, param,
                                        signed_weight, std::nullopt, 0));
       mask = at::cat(masks);
@@ -279,8 +282,9 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
         const at::Tensor m_gzx = (mean_ggzx.unsqueeze(2) * inv_g.view({G, C / G})).view({N, C});
         dx = keep_z ? z : at::empty_like(y);
         dr = need_r ? at::empty_like(y) : y.new_empty({0});
+        const at::Tensor var_c = per_channel(var, C);
         for (int64_t n = 0; n < N; ++n) {
-          const at::Tensor v = per_channel(var, n, C);
+          const at::Tensor v = var_c[n];
           at::Tensor dxn, drn;
           if (keep_z) {  // writes dx over z in place
             drn = ops().input_z.call(z.narrow(0, n, 1), dy.narrow(0, n, 1), v, w, b, sample(sv.residual, n),
