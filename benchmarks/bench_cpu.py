@@ -96,7 +96,7 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
     dy = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
     leaf = src.clone().requires_grad_()
     ours = InPlaceABN(C, activation=activation, activation_param=PARAM.get(activation, 0.01)).to(dtype)
-    bn = nn.BatchNorm2d(C) if len(shape) == 4 else nn.BatchNorm1d(C)
+    bn = {4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(len(shape), nn.BatchNorm1d)(C)
     stock = nn.Sequential(bn, ACT[activation]()).to(dtype)
 
     def run_ours():
@@ -125,11 +125,14 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
 
 def cases(quick, only=None):
     """(shape, activation, channels_last); relu (not invertible: the one-pass z path, docs/DESIGN.md
-    section 3) at the first shape only. ``only``: the shapes to keep, as "16x64x56x56,4096x512"."""
-    shapes = [(4, 16, 14, 14), (2, 32, 7, 7), (256, 64)] if quick else [(16, 64, 56, 56), (16, 512, 7, 7), (4096, 512)]
+    section 3) at the first shape only. ``only``: the shapes to time instead of the default ones,
+    as "16x64x56x56,8x128x16x16" (any (N, C, ...) shape)."""
+    if only:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in only.split(",")]
+    else:
+        shapes = ([(4, 16, 14, 14), (2, 32, 7, 7), (256, 64)] if quick else
+                  [(16, 64, 56, 56), (16, 512, 7, 7), (4096, 512)])
     for k, shape in enumerate(shapes):
-        if only and "x".join(map(str, shape)) not in only.split(","):
-            continue
         for activation in ("identity", "leaky_relu", "elu", "silu") + (("relu",) if k == 0 else ()):
             for cl in (False, True):
                 if not cl or len(shape) == 4:
@@ -174,7 +177,7 @@ def main():
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default allocation heuristics")
     ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
     ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
-    ap.add_argument("--shapes", help="only these shapes, e.g. 16x64x56x56,4096x512")
+    ap.add_argument("--shapes", help="these shapes instead of the default ones, e.g. 16x64x56x56,8x128x16x16")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats is None:

@@ -534,7 +534,6 @@ def test_native_result_independent_of_thread_count(shape, groups, fmt, activatio
             assert torch.equal(a, b)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("activation", INVERTIBLE)

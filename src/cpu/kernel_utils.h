@@ -236,7 +236,6 @@ inline Vectorized<float> vlog(const Vectorized<float>& x, const Vectorized<float
   p = at::vec::fmadd(z, V(-0.5f), p);
   return at::vec::fmadd(e, V(0.693359375f), f + p);
 }
-template <bool kP1 = false>
 inline Vectorized<double> vlog(const Vectorized<double>& x) { return x.log(); }
 
 // ---------------------------------------------------------------------------
@@ -561,8 +560,9 @@ inline DPair<float> todp(const Vectorized<float>& x) {
 inline DPair<double> todp(const Vectorized<double>& x) { return DPair<double>{{x}}; }
 
 // The lanes' sum as a fixed tree (the vectors, then halves of the lanes):
-// three dependent additions instead of fifteen, which weighed on units of a
-// few vectors (planes of 8x8 px in GroupNorm mode).
+// three (AVX2) or four (AVX512) dependent additions instead of seven or
+// fifteen, which weighed on units of a few vectors (planes of 8x8 px in
+// GroupNorm mode).
 template <typename F>
 inline double lane_sum(const DPair<F>& a) {
   constexpr int H = Vectorized<double>::size();
@@ -769,11 +769,11 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
 // rows path when one row of the channel pattern (C inner elements) is at most
 // kRowsMaxPeriod: its coefficient arrays and (reductions) double accumulators
 // then stay within L2. Planes of 128 elements and more are walked as planes:
-// the rows path's per-call expansion and per-unit folds grow with the pattern,
-// and at 8x128x16x16 (a 32768-element pattern) made leaky_relu 0.63x stock
-// against 0.32x planar (AVX512; 8x128x12x12 0.66 -> 0.42x). Below 128 the
-// planes' partial vectors and per-plane costs weigh more (SiLU at 8x1024x5x5:
-// 0.86x rows, 1.46x planar).
+// the rows path's per-call expansion and per-unit folds grow with the pattern:
+// at 8x128x16x16 (a 32768-element pattern) planar steps are 0.48x as long for
+// leaky_relu, 0.80x for SiLU (AVX512; bench_cpu.py --shapes ... --compare).
+// Below 128 the planes' partial vectors and per-plane costs weigh more (SiLU
+// at 8x1024x5x5: 0.86x stock as rows, 1.46x as planes in an experiment).
 constexpr int64_t kRowsMaxPlane = 128;
 constexpr int64_t kRowsMaxPeriod = 32768;
 
