@@ -13,7 +13,7 @@ import torch.nn as nn
 from inplace_abn import ABN, HAS_NATIVE, InPlaceABN, InPlaceABNSync, inplace_abn, inplace_abn_sync
 from inplace_abn import _activation as _A
 from inplace_abn import _backend, _pure
-from reference import rel_err, stock
+from reference import _silu_inverse_exact, rel_err, stock
 
 
 def _layer_state(layer):
@@ -398,7 +398,9 @@ def _silu_z_and_fprime(ops, y, left):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_pure_silu_inverse_matches_native(dtype):
     """Both backends run the inverse of src/activations.h: same branch rule,
-    same reading of y = +-0 (left: f underflowed, z at the clamp), same steps."""
+    same reading of y = +-0 (left: f underflowed, z at the clamp), and the
+    same results to a few ulp, except near the minimum, where the AVX2/AVX512
+    float table must be the closer of the two to the exact inverse."""
     ys = torch.tensor([0.0, -0.0, 0.0, -0.0], dtype=dtype).view(-1, 1)
     left = torch.tensor([False, False, True, True]).view(-1, 1)
     zn, fn = _silu_z_and_fprime(_backend.NATIVE, ys, left)
@@ -419,5 +421,14 @@ def test_pure_silu_inverse_matches_native(dtype):
     zn, fn = _silu_z_and_fprime(_backend.NATIVE, y, left)
     zp, fp = _silu_z_and_fprime(_pure, y, left)
     tol_z, tol_f = (2e-5, 4e-6) if dtype == torch.float32 else (1e-9, 1e-10)
-    assert ((zp - zn).abs() <= tol_z * zn.abs().clamp(min=1)).all()
-    assert ((fp - fn).abs() <= tol_f).all()
+    # The AVX2/AVX512 float kernels evaluate the fitted table of src/cpu/silu_table.h,
+    # not the guess and Halley step: within tolerance of the pure backend, or, near the
+    # minimum (where y - y* keeps more bits there), no farther from the exact inverse.
+    z_ex = _silu_inverse_exact(y.double(), left)
+    s = torch.sigmoid(z_ex)
+    f_ex = s * (1 + z_ex * (1 - s))
+    near = (zp - zn).abs() <= tol_z * zn.abs().clamp(min=1)
+    closer = (zn.double() - z_ex).abs() <= (zp.double() - z_ex).abs()
+    assert (near | closer).all() and (~near).sum() <= 40
+    assert ((fp - fn).abs() <= tol_f).all() or (
+        ((fn.double() - f_ex).abs() <= torch.maximum((fp.double() - f_ex).abs(), torch.full_like(f_ex, tol_f))).all())

@@ -342,6 +342,10 @@ def test_silu_backward_from_z(backend, shape, fmt, residual):
         torch.testing.assert_close(dr, dr_ref, rtol=0, atol=tol * dr_ref.abs().max().item())
 
 
+def _f64(a):
+    return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+
 @pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("act", INVERTIBLE_CODES)
@@ -368,8 +372,11 @@ def test_batchnorm_operators_in_groupnorm_mode(act, residual):
     dy = torch.randn(y.shape, generator=g)
     reduce_args = (y, dy, mask, w, b, r, 1e-5, act, p, False, None, G)
     torch.library.opcheck(ops.backward_reduce.default, reduce_args)
-    for got, want in zip(ops.backward_reduce(*reduce_args), pure.gn_backward_reduce(*reduce_args[:-2])):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # against the pure operators in float64 on the same float32 values: near the SiLU
+    # minimum, the float32 inverses of the two backends differ (section 3, CPU table)
+    want64 = pure.gn_backward_reduce(*[_f64(a) for a in reduce_args[:-2]])
+    for got, want in zip(ops.backward_reduce(*reduce_args), want64):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-4)
     mg, mgx = torch.randn(N, G, generator=g), torch.randn(N, G, generator=g)
     input_args = (y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual)
     torch.library.opcheck(ops.backward_input.default, input_args + (1.0, G))
