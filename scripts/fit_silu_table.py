@@ -22,12 +22,15 @@ error of h on each branch; the coefficients are rounded to float32.
 
     python scripts/fit_silu_table.py > src/cpu/silu_table.h
 """
+import os
 import sys
 
 import torch
 
-Z_STAR = -1.2784645427610738
-Y_STAR = -0.2784645427610738
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from inplace_abn._pure import SILU_YSTAR as Y_STAR  # noqa: E402
+from inplace_abn._pure import SILU_ZSTAR as Z_STAR  # noqa: E402
+
 TABLES = {"Avx512": (8, 9), "Avx2": (4, 13)}  # name: (segments a branch, degree)
 Y_RIGHT_MAX = 8.0  # right branch beyond: z - y = y e^-z < 3e-3
 Y_LEFT_MAX = -0.1  # left branch beyond: the log tail of the Halley guess
@@ -63,17 +66,13 @@ def fit_branch(left, segments, degree):
         z = torch.where(d > 0, inverse(y, left), torch.tensor(Z_STAR, dtype=f64))
         h = 1 + torch.exp(-z)
         vander = u.unsqueeze(1) ** torch.arange(degree + 1, dtype=f64)
-        c = _lstsq(vander, h)
+        c = torch.linalg.lstsq(vander, h.unsqueeze(1)).solution.squeeze(1)
         fit = max(fit, float(((vander @ c - h) / h).abs().max()))
         # (float32 rounding of c_0 is half an ulp of h at u = 0, as storing h would be)
         c32 = c.to(torch.float32).to(f64)
         worst = max(worst, float(((vander @ c32 - h) / h).abs().max()))
         coefs.append(c32)
     return scale, torch.stack(coefs), fit, worst
-
-
-def _lstsq(a, b):
-    return torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1)
 
 
 def main():

@@ -59,7 +59,8 @@ IABN_HD bool iabn_signbit(double x) { return copysign(1.0, x) < 0.0; }
 // the selects if_nonneg / if_less / if_set / if_signbit, and any(flag): whether any lane
 // of a 0/1 flag is set (for a scalar: the flag itself), used to skip rarely
 // needed work. kSiluTable says whether it also provides silu_table(y, left, h)
-// (the AVX2/AVX512 float policy: the fitted SiLU inverse of section 3).
+// (the AVX2/AVX512 float policy: the fitted SiLU inverse of section 3; it
+// returns the 0/1 flag of the lanes outside the fit).
 template <typename S>
 struct ScalarMath {
   using T = S;
@@ -193,7 +194,8 @@ struct Activation<Act::Elu, M> {
 // piecewise fit of h = 1 + e^-z = y / z in d (src/cpu/silu_table.h) for
 // y <= 8 (right) and y <= -0.1 (left): z = y h, f'(z) = (h + z (h - 1)) / h^2;
 // 1.7x (AVX512) and 1.4x (AVX2) the throughput of the guess + Halley step, for
-// an error within a few ulp (section 3). Other lanes take the Halley path.
+// an error within 5.1x eps |y| / |f'(z)| + ulp(z) (section 3). Other lanes take
+// the Halley path.
 template <class M>
 struct Activation<Act::Silu, M> {
   using T = typename M::T;
@@ -279,20 +281,19 @@ struct Activation<Act::Silu, M> {
   }
 
   // z = f^-1(y) on the branch `left` (0/1) and d = f'(z).
-  static IABN_HD IABN_SILU_INVERSE_INLINE T inverse_deriv(T y_in, T left, T p, T& dfdz, int iters = kIters) {
+  static IABN_HD IABN_SILU_INVERSE_INLINE T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters) {
     if constexpr (M::kSiluTable) {
       T h;
       const T y = M::max(y_in, M::c(kSiluYStar));
-      const T in_table = M::silu_table(y, left, h);  // 0/1 per lane
+      const T outside = M::silu_table(y, left, h);  // 0/1 per lane
       const T z = y * h;
       dfdz = M::fma(z, h - M::c(1.0), h) * M::rcp(h * h);
-      if (!M::any(M::c(1.0) - in_table)) return z;
+      if (!M::any(outside)) return z;
       T dh;
-      const T zh = halley_inverse_deriv(y_in, left, dh, iters);
-      dfdz = M::if_set(in_table, dfdz, dh);
-      return M::if_set(in_table, z, zh);
+      const T zh = halley_inverse_deriv(y, left, dh, iters);
+      dfdz = M::if_set(outside, dh, dfdz);
+      return M::if_set(outside, zh, z);
     }
-    (void)p;
     return halley_inverse_deriv(y_in, left, dfdz, iters);
   }
 
