@@ -1,9 +1,20 @@
+import getpass
 import os
+import tempfile
 
-import pytest
-import torch
+# Inductor's caches do not key generated CPU code on ATEN_CPU_CAPABILITY: code
+# generated for AVX512 (16 lanes), reused from the cache in a run with
+# ATEN_CPU_CAPABILITY=avx2, is compiled for 8 lanes and gives NaNs (seen in
+# test_compile.py::test_inductor_train_step; a fresh cache passes). One cache
+# per capability, unless the caller chose a cache directory.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
-import inplace_abn
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import inplace_abn  # noqa: E402
 
 BACKENDS = ["python"] + (["native"] if inplace_abn.HAS_NATIVE else [])
 
