@@ -8,8 +8,12 @@ import tempfile
 # test_compile.py::test_inductor_train_step; a fresh cache passes). One cache
 # per capability, unless the caller chose a cache directory.
 if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    try:
+        _user = getpass.getuser()
+    except (KeyError, OSError):  # a uid without a passwd entry (containers)
+        _user = str(os.getpid())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
+        tempfile.gettempdir(), f"torchinductor_{_user}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
