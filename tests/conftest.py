@@ -6,7 +6,9 @@ import tempfile
 # generated for AVX512 (16 lanes), reused from the cache in a run with
 # ATEN_CPU_CAPABILITY=avx2, is compiled for 8 lanes and gives NaNs (seen in
 # test_compile.py::test_inductor_train_step; a fresh cache passes). One cache
-# per capability, unless the caller chose a cache directory.
+# per capability, unless the caller chose a cache directory. Set before torch
+# is imported: importing torch._inductor fixes the directory (so torch's own
+# default_cache_dir cannot be called first; its naming is followed here).
 if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     try:
         _user = getpass.getuser()
