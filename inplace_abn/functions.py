@@ -442,22 +442,43 @@ def _standard_ops(x, weight, bias, running_mean, running_var, training, momentum
 
 
 def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation, activation_param,
-           residual, weight_mode, group):
+           residual, weight_mode, group, counter=None):
+    """The in-place layer (`inplace_abn`, `inplace_abn_sync`). ``counter``: the
+    module's num_batches_tracked, to which 1 is added once the layer has run (by the
+    native op itself where it runs: one operator call less, docs/DESIGN.md 7.3)."""
     _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
                 activation_param, weight_mode)
     if group is None and (torch.compiler.is_exporting() or torch.jit.is_tracing()):
         # Export: stock operators, the output is a new tensor (x is not overwritten).
-        return _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
-                             0.0 if momentum is None else float(momentum), float(eps), activation,
-                             float(activation_param), residual, weight_mode)
+        y = _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
+                          0.0 if momentum is None else float(momentum), float(eps), activation,
+                          float(activation_param), residual, weight_mode)
+        return _counted(y, counter)
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
     args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
             float(activation_param), weight_mode == "signed", group)
     if group is None and _native_autograd(x, (x, weight, bias, residual)):
-        return _apply_native(*args[:-1])
-    return _run(_InPlaceABNFunction, args, (x, weight, bias, residual))
+        return _apply_native(*args[:-1], counter)
+    return _counted(_run(_InPlaceABNFunction, args, (x, weight, bias, residual)), counter)
+
+
+def module_affine(module):
+    """(weight, bias) of a layer module, read from ``module._parameters``: each
+    ``module.weight`` is an nn.Module.__getattr__ call, ~0.5 us of a small layer's
+    ~20 us forward (benchmarks/bench_cpu.py --quick). A parametrized weight
+    (torch.nn.utils.parametrize) is not there: computed by the attribute."""
+    params = module._parameters
+    weight = params["weight"] if "weight" in params else module.weight
+    bias = params["bias"] if "bias" in params else module.bias
+    return weight, bias
+
+
+def _counted(y, counter):
+    if counter is not None:
+        counter.add_(1)
+    return y
 
 
 def _native_autograd(x, differentiable) -> bool:
@@ -481,7 +502,7 @@ def _records_backward(differentiable) -> bool:
 
 
 def _apply_native(x, weight, bias, running_mean, running_var, residual, training, momentum, eps, activation,
-                  activation_param, signed):
+                  activation_param, signed, counter=None):
     invertible, act = _activation_code(activation, activation_param)
     if training:
         C = x.shape[1]
@@ -489,7 +510,7 @@ def _apply_native(x, weight, bias, running_mean, running_var, residual, training
     if residual is not None:
         residual = _like_layout(residual, x)
     return _NATIVE_ABN(x, weight, bias, running_mean, running_var, residual, training, momentum, eps, act,
-                       activation_param, signed, not invertible)
+                       activation_param, signed, not invertible, counter)
 
 
 _NATIVE_ABN = torch.ops.inplace_abn.inplace_abn_.default if _backend.HAS_NATIVE else None

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from . import _activation, _backend, _groupnorm_ops
 from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
-                        _output_grad, _param_grads, _prepare, _refuse_double_backward, _run, _write)
+                        _output_grad, _param_grads, _prepare, _refuse_double_backward, _run, _write,
+                        module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -256,8 +257,9 @@ class InPlaceAGN(AGN):
         self.weight_mode = weight_mode
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return inplace_agn(x, self.num_groups, self.weight, self.bias, self.eps, self.activation,
-                           self.activation_param, residual=residual, weight_mode=self.weight_mode)
+        weight, bias = module_affine(self)
+        return inplace_agn(x, self.num_groups, weight, bias, self.eps, self.activation, self.activation_param,
+                           residual=residual, weight_mode=self.weight_mode)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")

@@ -364,3 +364,32 @@ def test_native_extension_is_built():
 def test_cuda_kernels_are_registered():
     for op in inplace_abn._backend.OP_NAMES:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{op}", "CUDA"), op
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("make", [lambda: InPlaceABN(4, activation="elu", activation_param=1.0).double(),
+                                  lambda: inplace_abn.InPlaceAGN(2, 4, activation="elu", activation_param=1.0).double()],
+                         ids=["InPlaceABN", "InPlaceAGN"])
+def test_parametrized_weight_is_used(backend, make):
+    """The modules read weight and bias from _parameters for speed; a parametrized weight
+    (torch.nn.utils.parametrize) is not there and must still be what the layer applies,
+    with the gradient reaching the original parameter."""
+    from torch.nn.utils import parametrize
+    plain, param = make(), make()
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+        param.weight.copy_(plain.weight / 2)
+        plain.bias.uniform_(-1, 1)
+        param.bias.copy_(plain.bias)
+    parametrize.register_parametrization(param, "weight", _Doubled())
+    x = _x(3, 4, 5, dtype=torch.float64).requires_grad_()
+    dy = _x(3, 4, 5, dtype=torch.float64, seed=1)
+    y_plain, y_param = plain(x * 1), param(x * 1)
+    assert rel_err(y_param, y_plain) < 1e-12
+    (g_plain,) = torch.autograd.grad(y_plain, plain.weight, dy)
+    (g_param,) = torch.autograd.grad(y_param, param.parametrizations.weight.original, dy)
+    assert rel_err(g_param, 2 * g_plain) < 1e-12

@@ -54,13 +54,15 @@ def test_opcheck_all_operators(act, fmt, training, residual):
 @pytest.mark.parametrize("act", ACTS)
 def test_opcheck_composite_layer(act, fmt, training):
     """inplace_abn_ (the layer with its autograd in C++, docs/DESIGN.md section 7.3): schema
-    (mutation of x and the running statistics), autograd registration and fake tensors.
+    (mutation of x, the running statistics and num_batches_tracked), autograd registration
+    and fake tensors.
     Not AOT dispatch: torch.compile traces the Python autograd Function instead, and the
     C++ Function reads concrete sizes."""
     x, _, _, w, b, r, p = _args(act, fmt, True, training=training)
     w, b, r = w.requires_grad_(), b.requires_grad_(), r.requires_grad_()
     C = x.shape[1]
-    args = (x.clone(), w, b, torch.zeros(C), torch.ones(C), r, training, 0.1, 1e-5, act, p, False, False)
+    args = (x.clone(), w, b, torch.zeros(C), torch.ones(C), r, training, 0.1, 1e-5, act, p, False, False,
+            torch.zeros((), dtype=torch.long))
     for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
         torch.library.opcheck(torch.ops.inplace_abn.inplace_abn_.default, args, test_utils=util)
 

@@ -90,12 +90,25 @@ struct Saved {
   }
 };
 
+// num_batches_tracked += 1 (the module's counter, once the layer has run). On the
+// CPU without an operator call: from Python, add_ is ~2 us of a small layer's ~20 us
+// forward (benchmarks/bench_cpu.py --quick).
+void count_batch(const at::Tensor& counter) {
+  if (counter.is_cpu() && counter.scalar_type() == at::kLong && counter.numel() == 1 && !counter.is_inference()) {
+    ++*counter.data_ptr<int64_t>();
+    counter.unsafeGetTensorImpl()->bump_version();
+  } else {
+    const at::NoGradGuard no_grad;
+    counter.add_(1);
+  }
+}
+
 struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
   // relu: the non-invertible activation (act must be 0): z is kept, x gets max(z, 0)
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
                             const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
                             bool training, double momentum, double eps, int64_t act, double param,
-                            bool signed_weight, bool relu) {
+                            bool signed_weight, bool relu, const OptTensor& num_batches_tracked) {
     at::Tensor mean, var;
     if (training) {  // (the count check is the caller's; batch_stats moves the running statistics)
       std::tie(mean, var) = ops().stats.call(x, running_mean, running_var, momentum);
@@ -112,6 +125,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     } else {
       mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0);
     }
+    if (num_batches_tracked.has_value()) count_batch(*num_batches_tracked);
     const int64_t C = x.size(1);
     const Edges e(weight, bias, running_mean, running_var, residual);
     save(ctx, x, saved, var, weight, bias, residual, mask,
@@ -165,7 +179,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     if (need_b) db = sum_gz.to(bias.scalar_type());
     // one entry per forward argument
     return {dx, dw, db, at::Tensor(), at::Tensor(), dr, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -322,10 +336,10 @@ at::Tensor inplace_agn_(const at::Tensor& x, const OptTensor& weight, const OptT
 at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
                         const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
                         bool training, double momentum, double eps, int64_t activation, double activation_param,
-                        bool signed_weight, bool relu) {
+                        bool signed_weight, bool relu, const OptTensor& num_batches_tracked) {
   TORCH_CHECK(!relu || activation == 0, "inplace_abn: relu=True needs activation 0 (identity), got ", activation);
   return InPlaceABNFunction::apply(x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
-                                   activation, activation_param, signed_weight, relu);
+                                   activation, activation_param, signed_weight, relu, num_batches_tracked);
 }
 
 }  // namespace

@@ -51,11 +51,12 @@ TORCH_LIBRARY(inplace_abn, m) {
   // The whole local layer with its autograd in C++ (src/ops/autograd.cpp): batch
   // statistics and running-statistics update (training), forward_ into x; the
   // backward runs backward_reduce, backward_input and weight_grad. relu: the
-  // non-invertible ReLU (activation 0), whose z is kept for backward.
+  // non-invertible ReLU (activation 0), whose z is kept for backward. Given
+  // num_batches_tracked, adds 1 to it once the layer has run (the module's count).
   m.def(
       "inplace_abn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
       "Tensor? residual, bool training, float momentum, float eps, int activation, float activation_param, "
-      "bool signed_weight, bool relu=False) -> Tensor(a!)");
+      "bool signed_weight, bool relu=False, Tensor(d!)? num_batches_tracked=None) -> Tensor(a!)");
   // The GroupNorm layer on a contiguous x with its autograd in C++ (the BatchNorm
   // operators in their GroupNorm mode; docs/DESIGN.md section 10).
   m.def(
