@@ -5,7 +5,12 @@ For each case it times, median over repeats (the four take turns):
   stock : nn.BatchNorm2d + activation (eager) forward + the same gradients
   floor : 4 x.clone() calls (8 passes over memory, docs/DESIGN.md section 6)
 The in-place layer needs a fresh non-leaf input each step; that clone is
-timed separately and subtracted.
+timed separately and subtracted. Its input gradient is taken with respect to
+the clone's source: the layer overwrites the clone with its output, so a
+gradient with respect to the clone itself is dy, and the layer would skip
+its input-gradient pass (until 2026-12-01 this script did that, and its
+ratios left out backward_input). Before timing, every case checks that ours
+and stock give the same input and parameter gradients.
 
 Allocator: with glibc's default heuristics a freed 10+ MB tensor is often
 handed back to the kernel, and the next step pays a page fault per 4 KiB on
@@ -68,6 +73,17 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def check_same_grads(ours, stock, case):
+    """Raise unless the timed steps computed the same gradients (so that both do the
+    same work): relative error in norm below 1e-3 (float32; 3e-2 in half precision),
+    which the effective weight |w| + eps of ours (1e-5 off stock's w) leaves room for."""
+    for name, a, b in zip(("input", "weight", "bias"), ours, stock):
+        tol = 1e-3 if a.dtype in (torch.float32, torch.float64) else 3e-2
+        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+        if not err < tol:
+            raise RuntimeError(f"{case}: ours and stock disagree on the {name} gradient (relative error {err:.2e})")
+
+
 def _interleaved(fns, repeats, warmup=10):
     """Median seconds of each function and its minor page faults per call.
 
@@ -100,13 +116,14 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
     stock = nn.Sequential(bn, ACT[activation]()).to(dtype)
 
     def run_ours():
-        x = leaf.clone(memory_format=torch.preserve_format)
-        y = ours(x)
-        torch.autograd.grad(y, [x, ours.weight, ours.bias], dy)
+        y = ours(leaf.clone(memory_format=torch.preserve_format))
+        return torch.autograd.grad(y, [leaf, ours.weight, ours.bias], dy)
 
     def run_stock():
         y = stock(leaf)
-        torch.autograd.grad(y, [leaf, bn.weight, bn.bias], dy)
+        return torch.autograd.grad(y, [leaf, bn.weight, bn.bias], dy)
+
+    check_same_grads(run_ours(), run_stock(), f"{shape} {activation}")
 
     def run_clone():
         leaf.clone(memory_format=torch.preserve_format)

@@ -5,7 +5,9 @@ Shapes are those of a diffusion UNet's GroupNorm layers (32 groups) at batch 8,
 from the 64x64 stage to the 8x8 one. For each case, median over repeats with
 the variants taking turns (bench_cpu._interleaved):
   ours  : InPlaceAGN forward + input/weight/bias gradients (the clone that
-          gives it a fresh non-leaf input each step is timed and subtracted)
+          gives it a fresh non-leaf input each step is timed and subtracted;
+          the input gradient is taken with respect to the clone's source, as
+          in bench_cpu.py, and checked against stock's before timing)
   stock : nn.GroupNorm + activation (eager), the same gradients
 
     python benchmarks/bench_groupnorm.py [--threads 2] [--repeats 20] [--quick]
@@ -19,7 +21,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import inplace_abn  # noqa: E402
-from bench_cpu import _interleaved, keep_freed_memory  # noqa: E402
+from bench_cpu import _interleaved, check_same_grads, keep_freed_memory  # noqa: E402
 from inplace_abn import InPlaceAGN  # noqa: E402
 
 ACT = {"silu": nn.SiLU, "leaky_relu": lambda: nn.LeakyReLU(0.01)}
@@ -37,11 +39,13 @@ def bench(shape, activation, channels_last, repeats):
     stock = nn.Sequential(gn, ACT[activation]())
 
     def run_ours():
-        x = leaf.clone(memory_format=torch.preserve_format)
-        torch.autograd.grad(ours(x), [x, ours.weight, ours.bias], dy)
+        return torch.autograd.grad(ours(leaf.clone(memory_format=torch.preserve_format)),
+                                   [leaf, ours.weight, ours.bias], dy)
 
     def run_stock():
-        torch.autograd.grad(stock(leaf), [leaf, gn.weight, gn.bias], dy)
+        return torch.autograd.grad(stock(leaf), [leaf, gn.weight, gn.bias], dy)
+
+    check_same_grads(run_ours(), run_stock(), f"{shape} {activation}")
 
     def run_clone():
         leaf.clone(memory_format=torch.preserve_format)

@@ -74,7 +74,8 @@ def bench_layer(shape, dtype, memory_format, activation, param, warmup, repeats)
     def run_inplace(x):
         y = inplace_abn(x, weight, bias, rm, rv, training=True, momentum=0.1, eps=1e-5, activation=activation,
                         activation_param=param)
-        torch.autograd.grad(y, (x, weight, bias), dy)
+        # with respect to the clone's source: x itself now holds y, and its gradient is dy
+        torch.autograd.grad(y, (leaf, weight, bias), dy)
 
     xs = base.clone().requires_grad_()
 
