@@ -133,14 +133,18 @@ def _register_fakes():
         return _activation.acc_dtype(t.dtype)
 
     @torch.library.register_fake("inplace_abn::batch_stats")
-    def _(x, running_mean=None, running_var=None, momentum=0.0):
-        C = x.shape[1]
-        return x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
+    def _(x, running_mean=None, running_var=None, momentum=0.0, groups=0):
+        shape = (x.shape[0], groups) if groups else (x.shape[1],)  # per (n, group) for GroupNorm
+        return x.new_empty(shape, dtype=acc(x)), x.new_empty(shape, dtype=acc(x))
 
     @torch.library.register_fake("inplace_abn::forward_")
     def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
           groups=0):
-        words = (x.numel() + 31) // 32 if activation == 3 else 0
+        words = 0
+        if activation == 3 and groups and _pure.is_channels_last(x) and x.shape[0]:
+            words = x.shape[0] * ((x.numel() // x.shape[0] + 31) // 32)  # the samples' masks, whole words each
+        elif activation == 3:
+            words = (x.numel() + 31) // 32
         return x.new_empty(words, dtype=torch.int32)
 
     @torch.library.register_fake("inplace_abn::backward_reduce")

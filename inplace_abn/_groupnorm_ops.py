@@ -166,76 +166,25 @@ def _native_ok(x, act):
     return (x.numel() // max(x.shape[0], 1)) % 32 == 0
 
 
-def _nc(v, C):
-    """(N, G) per-group values -> (N*C,) per (n, c)."""
-    N, G = v.shape
-    return v.unsqueeze(2).expand(N, G, C // G).reshape(N * C)
-
-
-def _samples(t, n):
-    return None if t is None else t[n:n + 1]
-
-
 def native_gn_stats(x, groups):
-    N, C = x.shape[:2]
     if x.numel() == 0:
         return gn_stats(x, groups)
-    if not _pure.is_channels_last(x):
-        mean, var = _BN.batch_stats(x.view(1, N * groups, -1))
-        return mean.view(N, groups), var.view(N, groups)
-    # a sample in channels-last memory is (S, G, C/G) contiguous: groups are "channels"
-    per = [_BN.batch_stats(x[n].movedim(0, -1).reshape(-1, groups, C // groups)) for n in range(N)]
-    return torch.stack([m for m, _ in per]), torch.stack([v for _, v in per])
+    return _BN.batch_stats(x, None, None, 0.0, groups)
 
 
 def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
     if not _native_ok(x, act):
         return gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed)
-    N, C = x.shape[:2]
     if x.numel() == 0:
         return x.new_empty(0, dtype=torch.int32)
-    if not _pure.is_channels_last(x):
-        return _BN.forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, None, mean.shape[1])
-    mean_c, var_c = _nc(mean, C).view(N, C), _nc(var, C).view(N, C)  # once, a row per sample
-    masks = [_BN.forward_(x[n:n + 1], mean_c[n], var_c[n], weight, bias, _samples(residual, n), eps, act, p, signed)
-             for n in range(N)]
-    return torch.cat(masks)
-
-
-def _mask_of(mask, n, N):
-    if mask.numel() == 0:
-        return mask
-    w = mask.numel() // N
-    return mask[n * w:(n + 1) * w]
+    return _BN.forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, None, mean.shape[1])
 
 
 def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out=None):
     if not _native_ok(y, act) or y.numel() == 0 or (z_out is not None and not y.is_cpu):
         return gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out)
-    N, C = y.shape[:2]
-    if not _pure.is_channels_last(y):  # (groups: any divisor of C gives the same (N, C) sums)
-        return _BN.backward_reduce(y, dy.contiguous(), mask, weight, bias, residual, eps, act, p, signed, z_out, 1)
-    per = [_BN.backward_reduce(y[n:n + 1], dy[n:n + 1], _mask_of(mask, n, N), weight, bias, _samples(residual, n),
-                               eps, act, p, signed, _samples(z_out, n)) for n in range(N)]
-    return torch.stack([s for s, _ in per]), torch.stack([sx for _, sx in per])
-
-
-def _bn_means(y, var, weight, mean_ggz, mean_ggzx, eps, signed):
-    """GroupNorm's (N, G) group means as the BatchNorm kernel's (N, C) ones, and
-    the (N, C) variances."""
-    N, C = y.shape[:2]
-    acc = A.acc_dtype(y.dtype)
-    # The BatchNorm kernel computes g~ r (gz - m_gz - xhat m_gzx); GroupNorm's
-    # r (g~ gz - m_ggz - xhat m_ggzx) is that with the group means divided by g~.
-    if weight is None:
-        inv_g = torch.ones(C, dtype=acc, device=y.device)
-    else:
-        inv_g = 1 / A.effective_weight(weight.detach().to(acc), eps, signed)
-    G = var.shape[1]
-    # (N, G, 1) * (G, C/G) -> (N, C): the group means on their channels, over g~_c
-    m_gz = (mean_ggz.to(acc).unsqueeze(2) * inv_g.view(G, C // G)).view(N, C)
-    m_gzx = (mean_ggzx.to(acc).unsqueeze(2) * inv_g.view(G, C // G)).view(N, C)
-    return m_gz, m_gzx, _nc(var, C).view(N, C)
+    # (groups: any divisor of C gives the same (N, C) sums)
+    return _BN.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out, 1)
 
 
 def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
@@ -243,20 +192,8 @@ def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz,
     if not _native_ok(y, act) or y.numel() == 0:
         return gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
                                  residual_grad)
-    if not _pure.is_channels_last(y):
-        return _BN.backward_input(y, dy.contiguous(), mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
-                                  act, p, signed, residual_grad, 1.0, var.shape[1])
-    N = y.shape[0]
-    m_gz, m_gzx, v = _bn_means(y, var, weight, mean_ggz, mean_ggzx, eps, signed)
-    dx = torch.empty_like(y)
-    dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
-    for n in range(N):
-        dxn, drn = _BN.backward_input(y[n:n + 1], dy[n:n + 1], _mask_of(mask, n, N), v[n], weight, bias,
-                                      _samples(residual, n), m_gz[n], m_gzx[n], eps, act, p, signed, residual_grad)
-        dx[n:n + 1] = dxn
-        if residual_grad:
-            dr[n:n + 1] = drn
-    return dx, dr
+    return _BN.backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                              residual_grad, 1.0, var.shape[1])
 
 
 def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
@@ -264,18 +201,8 @@ def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_gg
     if not _native_ok(z, act) or z.numel() == 0 or not z.is_cpu:
         return gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p,
                                          signed, residual_grad)
-    if not _pure.is_channels_last(z):
-        return _BN.backward_input_from_z_(z, dy.contiguous(), var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
-                                          act, p, signed, residual_grad, 1.0, var.shape[1])
-    N = z.shape[0]
-    m_gz, m_gzx, v = _bn_means(z, var, weight, mean_ggz, mean_ggzx, eps, signed)
-    dr = torch.empty_like(z) if residual_grad else z.new_empty(0)
-    for n in range(N):
-        drn = _BN.backward_input_from_z_(z[n:n + 1], dy[n:n + 1], v[n], weight, bias, _samples(residual, n), m_gz[n],
-                                         m_gzx[n], eps, act, p, signed, residual_grad)
-        if residual_grad:
-            dr[n:n + 1] = drn
-    return dr
+    return _BN.backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+                                      residual_grad, 1.0, var.shape[1])
 
 
 # ---- registration --------------------------------------------------------------

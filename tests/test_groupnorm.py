@@ -347,21 +347,25 @@ def _f64(a):
 
 
 @pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("act", INVERTIBLE_CODES)
-def test_batchnorm_operators_in_groupnorm_mode(act, residual):
-    """forward_, backward_reduce, backward_input(_from_z_) with groups > 0 (the
-    contiguous native GroupNorm path, docs/DESIGN.md section 10): opcheck, and
-    the pure GroupNorm operators' results to float32 rounding; channels-last
-    inputs, C not divisible by groups and statistics of the wrong size are refused."""
+def test_batchnorm_operators_in_groupnorm_mode(act, residual, fmt):
+    """batch_stats, forward_, backward_reduce, backward_input(_from_z_) with groups > 0
+    (the native GroupNorm path, docs/DESIGN.md section 10; channels-last runs sample by
+    sample): opcheck, and the pure GroupNorm operators' results to float32 rounding;
+    other strides, C not divisible by groups and statistics of the wrong size are refused."""
     ops, pure = torch.ops.inplace_abn, inplace_abn._groupnorm_ops._PURE_OPS
     g = torch.Generator().manual_seed(5 + act)
     N, C, G = 3, 8, 4
-    x = torch.randn(N, C, 4, 5, generator=g, dtype=torch.float64).float()
+    x = torch.randn(N, C, 4, 5, generator=g, dtype=torch.float64).float().contiguous(memory_format=fmt)
     w, b = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
-    r = torch.randn(N, C, 4, 5, generator=g) if residual else None
+    r = torch.randn(N, C, 4, 5, generator=g).contiguous(memory_format=fmt) if residual else None
     p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 1.0}.get(act, 0.0)
     mean, var = pure.gn_stats(x, G)
+    torch.library.opcheck(ops.batch_stats.default, (x, None, None, 0.0, G))
+    for got, want in zip(ops.batch_stats(x, None, None, 0.0, G), (mean, var)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     close = dict(rtol=0, atol=1e-5)
     y, y_ref = x.clone(), x.clone()
     torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, False, None, G))
@@ -369,7 +373,7 @@ def test_batchnorm_operators_in_groupnorm_mode(act, residual):
     mask_ref = pure.gn_forward_(y_ref, mean, var, w, b, r, 1e-5, act, p, False)
     torch.testing.assert_close(y, y_ref, **close)
     assert torch.equal(mask, mask_ref)
-    dy = torch.randn(y.shape, generator=g)
+    dy = torch.randn(y.shape, generator=g).contiguous(memory_format=fmt)
     reduce_args = (y, dy, mask, w, b, r, 1e-5, act, p, False, None, G)
     torch.library.opcheck(ops.backward_reduce.default, reduce_args)
     # against the pure operators in float64 on the same float32 values: near the SiLU
@@ -389,9 +393,10 @@ def test_batchnorm_operators_in_groupnorm_mode(act, residual):
         torch.library.opcheck(ops.backward_input_from_z_.default, (z.clone(),) + from_z)
         ops.backward_input_from_z_(z, *from_z)
         torch.testing.assert_close(z, pure.gn_backward_input(*input_args)[0], rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="contiguous input"):
-        ops.forward_(x.clone().contiguous(memory_format=torch.channels_last), mean, var, w, b, None, 1e-5, act, p,
-                     False, None, G)
+    with pytest.raises(RuntimeError, match="contiguous or channels-last input"):
+        ops.forward_(x.clone().transpose(2, 3), mean, var, w, b, None, 1e-5, act, p, False, None, G)
+    with pytest.raises(RuntimeError, match="keeps no running statistics"):
+        ops.batch_stats(x, torch.zeros(C), None, 0.1, G)
     with pytest.raises(RuntimeError, match="does not divide"):
         ops.forward_(x.clone(), mean, var, w, b, None, 1e-5, act, p, False, None, 3)
     with pytest.raises(RuntimeError, match="mean must hold N \\* groups = 12"):
@@ -400,6 +405,33 @@ def test_batchnorm_operators_in_groupnorm_mode(act, residual):
         ops.backward_input(y, dy, mask, var, w, b, r, mg, mgx[:, :2], 1e-5, act, p, False, residual, 1.0, G)
     with pytest.raises(RuntimeError, match="weight must have shape"):
         ops.backward_reduce(y, dy, mask, w[:4], b, r, 1e-5, act, p, False, None, G)
+
+
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
+def test_channels_last_groupnorm_mode_pads_each_sample_mask():
+    """Channels-last SiLU whose samples do not fill whole mask words (3x3 px, 6 channels:
+    54 bits a sample): the native operators keep one padded mask per sample, and forward,
+    sums and dx still match the pure GroupNorm operators."""
+    ops, pure = torch.ops.inplace_abn, inplace_abn._groupnorm_ops._PURE_OPS
+    g = torch.Generator().manual_seed(11)
+    N, C, G, act = 3, 6, 3, _activation.SILU
+    x = (torch.randn(N, C, 3, 3, generator=g) * 2).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(N, C, 3, 3, generator=g).contiguous(memory_format=torch.channels_last)
+    w, b = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
+    mean, var = ops.batch_stats(x, None, None, 0.0, G)
+    y, y_ref = x.clone(), x.clone()
+    torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, None, 1e-5, act, 0.0, False, None, G))
+    mask = ops.forward_(y, mean, var, w, b, None, 1e-5, act, 0.0, False, None, G)
+    mask_ref = pure.gn_forward_(y_ref, mean, var, w, b, None, 1e-5, act, 0.0, False)
+    assert mask.numel() == N * 2 and mask_ref.numel() == 6  # 2 words a sample; 162 bits in 6 words
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5)
+    for got, want in zip(ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, act, 0.0, False, None, G),
+                         pure.gn_backward_reduce(y_ref, dy, mask_ref, w, b, None, 1e-5, act, 0.0, False)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    mg, mgx = torch.randn(N, G, generator=g), torch.randn(N, G, generator=g)
+    dx, _ = ops.backward_input(y, dy, mask, var, w, b, None, mg, mgx, 1e-5, act, 0.0, False, False, 1.0, G)
+    dx_ref, _ = pure.gn_backward_input(y_ref, dy, mask_ref, var, w, b, None, mg, mgx, 1e-5, act, 0.0, False, False)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-4)
 
 
 def test_operators_have_composite_kernels_a_device_kernel_can_override():

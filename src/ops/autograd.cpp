@@ -111,7 +111,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
                             bool signed_weight, bool relu, const OptTensor& num_batches_tracked) {
     at::Tensor mean, var;
     if (training) {  // (the count check is the caller's; batch_stats moves the running statistics)
-      std::tie(mean, var) = ops().stats.call(x, running_mean, running_var, momentum);
+      std::tie(mean, var) = ops().stats.call(x, running_mean, running_var, momentum, 0);
     } else {  // a copy: a later update of the running statistics must not change the saved var
       TORCH_CHECK(running_mean.has_value() && running_var.has_value(),
                   "inplace_abn: evaluation mode needs running_mean and running_var");
@@ -183,23 +183,8 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
   }
 };
 
-// Channels-last GroupNorm runs one sample at a time (its (n, c) planes are not
-// adjacent in memory): sample n of t, the packed mask words of sample n, and
-// (N, G) per-group values as one sample's (C,) per-channel ones.
-OptTensor sample(const at::Tensor& t, int64_t n) { return t.defined() ? OptTensor(t.narrow(0, n, 1)) : std::nullopt; }
-at::Tensor mask_of(const at::Tensor& mask, int64_t n, int64_t N) {
-  const int64_t w = mask.numel() / N;
-  return mask.numel() == 0 ? mask : mask.narrow(0, n * w, w);
-}
-// (N, G) -> (N, C), row n holding sample n's per-group values per channel;
-// built once per call, so that a sample's row costs one select
-at::Tensor per_channel(const at::Tensor& v, int64_t C) {
-  const int64_t N = v.size(0), G = v.size(1);
-  return v.unsqueeze(2).expand({N, G, C / G}).reshape({N, C});
-}
-
 // The GroupNorm layer (docs/DESIGN.md section 10): the BatchNorm operators in
-// their GroupNorm mode (contiguous x) or per sample (channels-last x), as the
+// their GroupNorm mode (a channels-last x runs there sample by sample), as the
 // native GroupNorm operators of inplace_abn/_groupnorm_ops.py run them for
 // _InPlaceAGNFunction (which stays the path of the pure backend and of the
 // channels-last SiLU shapes those operators leave to it).
@@ -207,36 +192,11 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
                             const OptTensor& residual, int64_t groups, double eps, int64_t act, double param,
                             bool signed_weight) {
-    const bool cl = is_channels_last(x);
-    TORCH_CHECK((cl || x.is_contiguous()) && x.numel() > 0 && groups > 0 && x.size(1) % groups == 0,
-                "inplace_abn: inplace_agn_ needs a non-empty contiguous or channels-last x and groups dividing C");
-    const int64_t N = x.size(0), C = x.size(1);
-    at::Tensor mean, var, mask;
-    if (!cl) {
-      // per (n, group) statistics: x viewed as (1, N G, rest), one BatchNorm channel each
-      std::tie(mean, var) = ops().stats.call(x.view({1, N * groups, -1}), std::nullopt, std::nullopt, 0.0);
-      mean = mean.view({N, groups});
-      var = var.view({N, groups});
-      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt,
-                            groups);
-    } else {
-      // a sample in channels-last memory is (S, G, C/G) contiguous: groups are "channels"
-      std::vector<at::Tensor> means, vars, masks;
-      for (int64_t n = 0; n < N; ++n) {
-        auto [m, v] = ops().stats.call(x.select(0, n).movedim(0, -1).reshape({-1, groups, C / groups}),
-                                       std::nullopt, std::nullopt, 0.0);
-        means.push_back(m);
-        vars.push_back(v);
-      }
-      mean = at::stack(means);
-      var = at::stack(vars);
-      const at::Tensor mean_c = per_channel(mean, C), var_c = per_channel(var, C);
-      for (int64_t n = 0; n < N; ++n)
-        masks.push_back(ops().fwd.call(x.narrow(0, n, 1), mean_c[n], var_c[n], weight,
-                                       bias, residual ? sample(*residual, n) : std::nullopt, eps, act, param,
-                                       signed_weight, std::nullopt, 0));
-      mask = at::cat(masks);
-    }
+    TORCH_CHECK(x.numel() > 0 && groups > 0 && x.size(1) % groups == 0,
+                "inplace_abn: inplace_agn_ needs a non-empty x and groups dividing C");
+    const auto [mean, var] = ops().stats.call(x, std::nullopt, std::nullopt, 0.0, groups);
+    const at::Tensor mask =
+        ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, groups);
     const Edges e(weight, bias, std::nullopt, std::nullopt, residual);
     save(ctx, x, x, var, weight, bias, residual, mask, {act, groups, e.weight, e.bias, e.residual, signed_weight},
          eps, param);
@@ -257,23 +217,11 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
     const at::Tensor dy = like(grads[0], y);
     const bool keep_z = need_x && sv.keeps_z(act);
     const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
-    const bool cl = is_channels_last(y);
     const int64_t N = y.size(0), C = y.size(1);
-    // (N, C) sums over the spatial positions of gz and gz xhat
-    at::Tensor s_gz, s_gzx, dx, dr;
-    if (!cl) {
-      std::tie(s_gz, s_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 1);
-    } else {
-      std::vector<at::Tensor> a, bb;
-      for (int64_t n = 0; n < N; ++n) {
-        auto [sg, sgx] = ops().reduce.call(y.narrow(0, n, 1), dy.narrow(0, n, 1), mask_of(mask, n, N), w, b,
-                                           sample(sv.residual, n), eps, act, p, signed_weight, sample(z, n), 0);
-        a.push_back(sg);
-        bb.push_back(sgx);
-      }
-      s_gz = at::stack(a);
-      s_gzx = at::stack(bb);
-    }
+    // (N, C) sums over the spatial positions of gz and gz xhat (any divisor of C as
+    // groups gives these sums)
+    const auto [s_gz, s_gzx] = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 1);
+    at::Tensor dx, dr;
     if (need_x || need_r) {
       at::Tensor g = at::ones({C}, s_gz.options());
       if (weight.defined()) g = gain(weight.detach().to(s_gz.scalar_type()), true, eps, signed_weight);  // g~
@@ -281,36 +229,13 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
       // group means of g~ gz and g~ gz xhat, per sample (N, G)
       const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
       const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
-      if (!cl && keep_z) {
+      if (keep_z) {
         dx = z;
         dr = ops().input_z.call(z, dy, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p, signed_weight, need_r, 1.0,
                                 G);
-      } else if (!cl) {
+      } else {
         std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p,
                                             signed_weight, need_r, 1.0, G);
-      } else {
-        // the BatchNorm kernel computes g~ r (gz - m_gz - xhat m_gzx); GroupNorm's
-        // r (g~ gz - m_ggz - xhat m_ggzx) is that with the group means divided by g~
-        const at::Tensor inv_g = g.reciprocal();  // (Python: 1 / g)
-        const at::Tensor m_gz = (mean_ggz.unsqueeze(2) * inv_g.view({G, C / G})).view({N, C});
-        const at::Tensor m_gzx = (mean_ggzx.unsqueeze(2) * inv_g.view({G, C / G})).view({N, C});
-        dx = keep_z ? z : at::empty_like(y);
-        dr = need_r ? at::empty_like(y) : y.new_empty({0});
-        const at::Tensor var_c = per_channel(var, C);
-        for (int64_t n = 0; n < N; ++n) {
-          const at::Tensor v = var_c[n];
-          at::Tensor dxn, drn;
-          if (keep_z) {  // writes dx over z in place
-            drn = ops().input_z.call(z.narrow(0, n, 1), dy.narrow(0, n, 1), v, w, b, sample(sv.residual, n),
-                                     m_gz[n], m_gzx[n], eps, act, p, signed_weight, need_r, 1.0, 0);
-          } else {
-            std::tie(dxn, drn) = ops().input.call(y.narrow(0, n, 1), dy.narrow(0, n, 1), mask_of(mask, n, N), v, w,
-                                                  b, sample(sv.residual, n), m_gz[n], m_gzx[n], eps, act, p,
-                                                  signed_weight, need_r, 1.0, 0);
-            dx.narrow(0, n, 1).copy_(dxn);
-          }
-          if (need_r) dr.narrow(0, n, 1).copy_(drn);
-        }
       }
       dx = need_x ? dx.to(y.scalar_type()) : at::Tensor();
       dr = need_r ? dr.to(y.scalar_type()) : at::Tensor();

@@ -26,12 +26,12 @@ std::array<ChannelInput, 5> input_args(const at::Tensor& y, const Groups& grp, c
 // a = g~ r, b = -r k mean_gz_xhat, c0 = -g~ r k mean_gz (rows of kernel.h's InputRow), k = sums_scale.
 // GroupNorm passes the (N, G) means of g~ gz and g~ gz xhat: BatchNorm's means times g~_c.
 at::Tensor input_coefs(const at::Tensor& yv, const std::array<ChannelInput, 5>& in, bool grouped, bool has_weight,
-                       double eps, bool signed_weight, double sums_scale) {
+                       double eps, bool signed_weight, double sums_scale, int64_t cols) {
   return coef_table<5>(yv, in, [&](const auto& v) {
     const auto r = inv_std(v[0], eps), g = gain(v[1], has_weight, eps, signed_weight), a_gz = g * r;
     if (grouped) return std::array{v[2], a_gz, -r * (v[3] * sums_scale) / g, -r * (v[4] * sums_scale)};
     return std::array{v[2], a_gz, -r * (v[3] * sums_scale), -a_gz * (v[4] * sums_scale)};
-  });
+  }, cols);
 }
 
 }  // namespace
@@ -54,10 +54,13 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
   c10::OptionalDeviceGuard guard(y.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
   const at::Tensor yv = grp.view(y);
-  const at::Tensor coef = input_coefs(yv, in, grp.G, weight.has_value(), eps, signed_weight, sums_scale);
-  backward_input_stub({.x = yv, .dy = grp.view(like(dy, y)), .residual = grp.view(like(residual, y)), .mask = mask,
-                       .coef = coef, .out1 = grp.view(dx), .out2 = grp.view(residual_grad ? dres : at::Tensor()),
-                       .g = grp.G ? geometry_of(yv, "y") : g, .act = act, .param = activation_param});
+  const at::Tensor coef =
+      input_coefs(yv, in, grp.G, weight.has_value(), eps, signed_weight, sums_scale, grp.columns(y));
+  grp.run(backward_input_stub,
+          {.x = yv, .dy = grp.view(like(dy, y)), .residual = grp.view(like(residual, y)), .mask = mask, .coef = coef,
+           .out1 = grp.view(dx), .out2 = grp.view(residual_grad ? dres : at::Tensor()),
+           .g = grp.G ? geometry_of(yv, "y") : g, .act = act, .param = activation_param},
+          false);
   return {dx, dres};
 }
 
@@ -78,10 +81,13 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, con
   if (z.numel() == 0) return dres;
   const TableGuard table_guard;
   const at::Tensor zv = grp.view(z);
-  const at::Tensor coef = input_coefs(zv, in, grp.G, weight.has_value(), eps, signed_weight, sums_scale);
-  backward_input_stub({.x = zv, .dy = grp.view(like(dy, z)), .residual = grp.view(like(residual, z)), .coef = coef,
-                       .out1 = zv, .out2 = grp.view(residual_grad ? dres : at::Tensor()), .from_z = true,
-                       .g = grp.G ? geometry_of(zv, "z") : g, .act = act, .param = activation_param});
+  const at::Tensor coef =
+      input_coefs(zv, in, grp.G, weight.has_value(), eps, signed_weight, sums_scale, grp.columns(z));
+  grp.run(backward_input_stub,
+          {.x = zv, .dy = grp.view(like(dy, z)), .residual = grp.view(like(residual, z)), .coef = coef, .out1 = zv,
+           .out2 = grp.view(residual_grad ? dres : at::Tensor()), .from_z = true,
+           .g = grp.G ? geometry_of(zv, "z") : g, .act = act, .param = activation_param},
+          false);
   return dres;
 }
 

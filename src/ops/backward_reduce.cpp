@@ -27,10 +27,12 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
   const at::Tensor yv = grp.view(y);
   const at::Tensor coef = coef_table<2>(yv, in, [&](const auto& v) {
     return std::array{v[0], gain(v[1], weight.has_value(), eps, signed_weight)};
-  });
-  backward_reduce_stub({.x = yv, .dy = grp.view(like(dy, y)), .residual = grp.view(like(residual, y)), .mask = mask,
-                        .coef = coef, .out1 = sum_gz, .out2 = sum_gz_xhat, .z = grp.view(z_out.value_or(at::Tensor())),
-                        .g = geometry_of(yv, "y"), .act = act, .param = activation_param});
+  }, grp.columns(y));
+  grp.run(backward_reduce_stub,
+          {.x = yv, .dy = grp.view(like(dy, y)), .residual = grp.view(like(residual, y)), .mask = mask, .coef = coef,
+           .out1 = sum_gz, .out2 = sum_gz_xhat, .z = grp.view(z_out.value_or(at::Tensor())),
+           .g = geometry_of(yv, "y"), .act = act, .param = activation_param},
+          true);
   return {sum_gz, sum_gz_xhat};
 }
 

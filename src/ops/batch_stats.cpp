@@ -29,11 +29,40 @@ void move_running(const at::Tensor& r, const at::Tensor& s, double factor, doubl
   r.copy_(r.to(at::kDouble).mul(1.0 - m).add(s.to(at::kDouble).mul(factor).mul(m)));
 }
 
+// GroupNorm statistics (groups > 0): (N, G) mean and biased variance per
+// (sample, group). Contiguous x: BatchNorm statistics of the (1, N G, rest)
+// view. Channels-last x: sample n in memory is (S, G, C/G) contiguous, whose
+// BatchNorm channels are the groups, one kernel call per sample (Groups).
+std::tuple<at::Tensor, at::Tensor> group_stats(const at::Tensor& x, const OptTensor& running_mean,
+                                               const OptTensor& running_var, int64_t groups) {
+  TORCH_CHECK(!running_mean.has_value() && !running_var.has_value(),
+              "inplace_abn: batch_stats with groups > 0 (GroupNorm) keeps no running statistics");
+  const Groups grp(x, groups);
+  const int64_t N = x.size(0), C = x.size(1), G = groups;
+  const auto opts = x.options().dtype(acc_type_of(x.scalar_type()));
+  if (x.numel() == 0) return {at::zeros({N, G}, opts), at::zeros({N, G}, opts)};
+  c10::OptionalDeviceGuard guard(x.device());
+  const at::Tensor mean = at::empty({N, G}, opts), var = at::empty({N, G}, opts);
+  if (!grp.per_sample) {
+    const at::Tensor xv = x.view({1, N * G, -1});
+    batch_stats_stub({.x = xv, .out1 = mean.view(-1), .out2 = var.view(-1), .g = geometry_of(xv, "x")});
+    return {mean, var};
+  }
+  std::vector<KernelArgs> parts(N);
+  for (int64_t n = 0; n < N; ++n) {
+    const at::Tensor xs = x.select(0, n).movedim(0, -1).reshape({-1, G, C / G});
+    parts[n] = {.x = xs, .out1 = mean.select(0, n), .out2 = var.select(0, n), .g = geometry_of(xs, "x")};
+  }
+  Groups::for_samples(N, x.is_cpu(), [&](int64_t n) { batch_stats_stub(parts[n]); });
+  return {mean, var};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const OptTensor& running_mean,
-                                               const OptTensor& running_var, double momentum) {
+                                               const OptTensor& running_var, double momentum, int64_t groups) {
   check_input(x, "x");
+  if (groups != 0) return group_stats(x, running_mean, running_var, groups);
   check_channel_vector(running_mean, x, "running_mean");
   check_channel_vector(running_var, x, "running_var");
   const int64_t C = x.size(1), n = C > 0 ? x.numel() / C : 0;

@@ -12,6 +12,7 @@
 #include <array>
 #include <cmath>
 #include <optional>
+#include <vector>
 
 #include "ops/kernel.h"
 
@@ -181,10 +182,11 @@ struct ChannelInput {
 
 // The (rows, C) table in the accumulation dtype of x: rows(v) maps the K
 // inputs v[k] (doubles or float64 tensors) to the rows' std::array.
+// cols: the number of columns, x.size(1) unless given (channels-last GroupNorm: N C).
 template <size_t K, class F>
-at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in, F rows) {
+at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in, F rows, int64_t cols = -1) {
   const auto acc = acc_type_of(x.scalar_type());
-  const int64_t C = x.size(1);
+  const int64_t C = cols >= 0 ? cols : x.size(1);
   if (!x.is_cpu()) {
     std::array<at::Tensor, K> v;
     for (size_t k = 0; k < K; ++k) {
@@ -232,23 +234,39 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
   return table;
 }
 
-// GroupNorm mode of the element-wise operators (groups > 0; docs/DESIGN.md
-// section 10): a contiguous (N, C, *) input is the BatchNorm input (1, N C, S)
-// whose channel k = n C + c takes the statistics of (n, group c / (C / G)),
-// entry k / (C / G) of the (N, G) statistics, and the parameters of channel
-// c = k % C. groups = 0: BatchNorm, x as it is.
+// GroupNorm mode of the operators (groups > 0; docs/DESIGN.md section 10). A
+// contiguous (N, C, *) input is the BatchNorm input (1, N C, S) whose channel
+// k = n C + c takes the statistics of (n, group c / (C / G)), entry k / (C / G)
+// of the (N, G) statistics, and the parameters of channel c = k % C. A
+// channels-last input, whose (n, c) planes are not adjacent in memory, runs
+// sample by sample (per_sample): the kernels see x[n] (channels-last
+// (1, C, *)) with columns n C .. n C + C - 1 of the same N C-column table, and
+// the SiLU mask is the samples' masks, each padded to whole 32-bit words; on
+// the CPU the samples are spread over the threads (the results do not depend
+// on it). groups = 0: BatchNorm, x as it is.
 struct Groups {
   int64_t G = 0, N = 0, C = 0;
+  bool per_sample = false;
   explicit Groups(const at::Tensor& x, int64_t groups) : G(groups) {
     TORCH_CHECK(groups >= 0, "inplace_abn: groups must be >= 0, got ", groups);
     if (!G) return;
     N = x.size(0), C = x.size(1);
     TORCH_CHECK(C % G == 0, "inplace_abn: groups=", G, " does not divide the ", C, " channels");
-    TORCH_CHECK(x.is_contiguous(), "inplace_abn: groups > 0 (GroupNorm) needs a contiguous input, got strides ",
+    per_sample = is_channels_last(x);
+    TORCH_CHECK(per_sample || x.is_contiguous(),
+                "inplace_abn: groups > 0 (GroupNorm) needs a contiguous or channels-last input, got strides ",
                 x.strides());
   }
   // What the kernels see (of x or a tensor in x's shape and layout; undefined stays so).
-  at::Tensor view(const at::Tensor& t) const { return G && t.defined() && t.numel() ? t.view({1, N * C, -1}) : t; }
+  at::Tensor view(const at::Tensor& t) const {
+    return G && !per_sample && t.defined() && t.numel() ? t.view({1, N * C, -1}) : t;
+  }
+  // Columns of the coefficient table.
+  int64_t columns(const at::Tensor& x) const { return G ? N * C : x.size(1); }
+  // Words of the SiLU mask of x.
+  int64_t mask_size(const at::Tensor& x) const {
+    return per_sample && N > 0 ? N * mask_words(x.numel() / N) : mask_words(x.numel());
+  }
   // A per-group (N, G) statistic: N G values on x's device, read at k / (C / G).
   ChannelInput stat(const OptTensor& t, double fill, const at::Tensor& x, const char* name) const {
     if (!G || !t.has_value()) {
@@ -264,6 +282,44 @@ struct Groups {
   ChannelInput param(const OptTensor& t, double fill, const at::Tensor& x, const char* name) const {
     check_channel_vector(t, x, name);
     return {t, fill, 1, G ? C : 0};
+  }
+  // Runs stub on a, or (per_sample) on each sample's part of a: x, dy, residual,
+  // z and the mask words of sample n, its table columns, and out1 / out2 as
+  // rows n of (N, ...) results (rows_out) or samples n of x-shaped ones.
+  void run(const KernelStub& stub, const KernelArgs& a, bool rows_out) const {
+    if (!per_sample) return stub(a);
+    if (a.mask.defined() && a.mask.numel())
+      TORCH_CHECK(a.mask.numel() >= mask_size(a.x), "inplace_abn: mask has ", a.mask.numel(), " words, need ",
+                  mask_size(a.x), " (the samples' masks, each padded to whole words)");
+    // the table's columns n C .. n C + C - 1 as sample n's (rows, C) table
+    const at::Tensor tables = a.coef.view({a.coef.size(0), N, C}).permute({1, 0, 2}).contiguous();
+    const int64_t words = mask_words(N > 0 ? a.x.numel() / N : 0);
+    auto sample = [](const at::Tensor& t, int64_t n) { return t.defined() && t.numel() ? t.narrow(0, n, 1) : t; };
+    auto out = [&](const at::Tensor& t, int64_t n) {
+      return rows_out && t.defined() && t.numel() ? t.select(0, n) : sample(t, n);
+    };
+    std::vector<KernelArgs> parts(N, a);
+    for (int64_t n = 0; n < N; ++n) {
+      KernelArgs& p = parts[n];
+      p.x = sample(a.x, n), p.dy = sample(a.dy, n), p.residual = sample(a.residual, n), p.z = sample(a.z, n);
+      p.mask = a.mask.defined() && a.mask.numel() ? a.mask.narrow(0, n * words, words) : a.mask;
+      p.coef = tables.select(0, n);
+      p.out1 = out(a.out1, n), p.out2 = out(a.out2, n);
+      p.g = geometry_of(p.x, "x");
+    }
+    for_samples(N, a.x.is_cpu(), [&](int64_t n) { stub(parts[n]); });
+  }
+  // fn(n) for n < N; on the CPU spread over the threads, each call then running on one
+  // (at::parallel_for nests inline): small samples gain most, and results are the same.
+  template <class Fn>
+  static void for_samples(int64_t N, bool cpu, const Fn& fn) {
+    if (cpu && N > 1) {
+      at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) fn(n);
+      });
+    } else {
+      for (int64_t n = 0; n < N; ++n) fn(n);
+    }
   }
 };
 

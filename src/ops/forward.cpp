@@ -27,7 +27,7 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
     TORCH_CHECK(is_channels_last(x) ? is_channels_last(*z_out) : z_out->is_contiguous(),
                 "inplace_abn: z_out must have x's memory layout (contiguous or channels-last)");
   }
-  at::Tensor mask = at::empty({act == Act::Silu ? mask_words(x.numel()) : 0}, x.options().dtype(at::kInt));
+  at::Tensor mask = at::empty({act == Act::Silu ? grp.mask_size(x) : 0}, x.options().dtype(at::kInt));
   if (x.numel() == 0) return mask;
   c10::OptionalDeviceGuard guard(x.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
@@ -36,10 +36,12 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
   const at::Tensor coef = coef_table<4>(xv, in, [&](const auto& v) {
     const auto hi = round_to(v[0], acc);  // the mean as hi + lo
     return std::array{hi, v[0] - hi, gain(v[2], weight.has_value(), eps, signed_weight) * inv_std(v[1], eps), v[3]};
-  });
-  forward_stub({.x = xv, .residual = grp.view(like(residual, x)), .mask = mask, .coef = coef,
-                .out1 = grp.view(z_out.value_or(at::Tensor())), .g = geometry_of(xv, "x"), .act = act,
-                .param = activation_param});
+  }, grp.columns(x));
+  grp.run(forward_stub,
+          {.x = xv, .residual = grp.view(like(residual, x)), .mask = mask, .coef = coef,
+           .out1 = grp.view(z_out.value_or(at::Tensor())), .g = geometry_of(xv, "x"), .act = act,
+           .param = activation_param},
+          false);
   return mask;
 }
 

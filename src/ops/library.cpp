@@ -19,9 +19,11 @@ TORCH_LIBRARY(inplace_abn, m) {
   // statistics, also moves them as torch.nn.BatchNorm does, with the count
   // n = numel / C of x: r <- (1 - momentum) r + momentum s, s the mean and
   // the unbiased var n / (n - 1) var; n = 0 leaves them, n = 1 is refused.
+  // groups > 0 (GroupNorm, no running statistics): (N, groups) statistics per
+  // (sample, group of C / groups consecutive channels), x contiguous or channels-last.
   m.def(
-      "batch_stats(Tensor x, Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None, float momentum=0.0) "
-      "-> (Tensor mean, Tensor var)");
+      "batch_stats(Tensor x, Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None, float momentum=0.0, "
+      "int groups=0) -> (Tensor mean, Tensor var)");
   // y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual]) written into x.
   // Returns the packed SiLU branch mask (int32, ceil(numel/32) words in memory
   // order of x), empty for other activations. With z_out (activation 0,

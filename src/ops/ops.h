@@ -10,7 +10,8 @@
 namespace inplace_abn {
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const std::optional<at::Tensor>& running_mean,
-                                               const std::optional<at::Tensor>& running_var, double momentum);
+                                               const std::optional<at::Tensor>& running_var, double momentum,
+                                               int64_t groups);
 
 at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
