@@ -1,0 +1,44 @@
+"""benchmarks/bench_cpu.py and bench_groupnorm.py: the timed in-place step does the work
+stock's does. Each case checks, before timing, that ours and stock computed the same input
+and parameter gradients; until commit f7e33df ours took its input gradient with respect to
+the tensor it overwrites (dy itself), which skipped the layer's input-gradient pass."""
+import os
+import sys
+
+import pytest
+import torch
+
+import inplace_abn
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+import bench_cpu  # noqa: E402
+import bench_groupnorm  # noqa: E402
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu", "relu"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_bench_cpu_case_runs_and_checks(activation, channels_last):
+    t_ours, t_stock, t_floor, _, _ = bench_cpu.bench((2, 8, 4, 4), activation, channels_last, repeats=2)
+    assert t_ours > 0 and t_stock > 0 and t_floor > 0
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_bench_groupnorm_case_runs_and_checks(activation, channels_last):
+    t_ours, t_stock = bench_groupnorm.bench((2, 64, 4, 4), activation, channels_last, repeats=2)
+    assert t_stock > 0
+
+
+def test_gradient_check_refuses_the_partial_step():
+    """The old step's input gradient (with respect to the overwritten clone) is dy: refused."""
+    layer, bn = inplace_abn.InPlaceABN(4, activation="silu"), torch.nn.BatchNorm2d(4)
+    leaf, dy = torch.randn(2, 4, 3, 3).requires_grad_(), torch.randn(2, 4, 3, 3)
+    x = leaf.clone()
+    partial = torch.autograd.grad(layer(x), [x, layer.weight, layer.bias], dy)
+    assert torch.equal(partial[0], dy)
+    stock = torch.autograd.grad(torch.nn.functional.silu(bn(leaf)), [leaf, bn.weight, bn.bias], dy)
+    with pytest.raises(RuntimeError, match="disagree on the input gradient"):
+        bench_cpu.check_same_grads(partial, stock, "partial step")
+    full = torch.autograd.grad(layer(leaf.clone()), [leaf, layer.weight, layer.bias], dy)
+    bench_cpu.check_same_grads(full, stock, "full step")
