@@ -140,11 +140,9 @@ def _register_fakes():
     @torch.library.register_fake("inplace_abn::forward_")
     def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
           groups=0):
-        words = 0
-        if activation == 3 and groups and _pure.is_channels_last(x) and x.shape[0]:
-            words = x.shape[0] * ((x.numel() // x.shape[0] + 31) // 32)  # the samples' masks, whole words each
-        elif activation == 3:
-            words = (x.numel() + 31) // 32
+        # channels-last GroupNorm: the samples' masks, whole words each
+        parts = x.shape[0] if groups and _pure.is_channels_last(x) and x.shape[0] else 1
+        words = parts * ((x.numel() // parts + 31) // 32) if activation == 3 else 0
         return x.new_empty(words, dtype=torch.int32)
 
     @torch.library.register_fake("inplace_abn::backward_reduce")

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation
-from .functions import WEIGHT_MODES, _apply, inplace_abn_sync, module_affine
+from .functions import WEIGHT_MODES, _apply, count_batch, inplace_abn_sync, module_affine
 
 
 class ABN(nn.Module):
@@ -89,7 +89,7 @@ class ABN(nn.Module):
         """(momentum, use batch statistics, running_mean, running_var, counter) for
         this call, as torch.nn.BatchNorm computes them. ``counter`` is the
         num_batches_tracked to count the batch in once the layer has run
-        (`_count_batch`; None: not counted), so that an input the layer refuses
+        (`functions.count_batch`; None: not counted), so that an input the layer refuses
         leaves it, like the running statistics, as it was.
 
         The buffers are read from ``_buffers`` itself: each ``self.running_mean``
@@ -109,16 +109,10 @@ class ABN(nn.Module):
             running_mean = running_var = None
         return momentum, use_batch_stats, running_mean, running_var, counter
 
-    @staticmethod
-    def _count_batch(counter) -> None:
-        if counter is not None:
-            counter.add_(1)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         momentum, training, running_mean, running_var, counter = self._batch_state()
         x = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training, momentum, self.eps)
-        self._count_batch(counter)
-        return self._activate(x)
+        return self._activate(count_batch(x, counter))
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's activation with the stock in-place functions (x is a fresh BN output)."""
@@ -241,5 +235,4 @@ class InPlaceABNSync(InPlaceABN):
         y = inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
                              self.eps, self.activation, self.activation_param, self.group, residual=residual,
                              weight_mode=self.weight_mode)
-        self._count_batch(counter)
-        return y
+        return count_batch(y, counter)

@@ -453,7 +453,7 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
         y = _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
                           0.0 if momentum is None else float(momentum), float(eps), activation,
                           float(activation_param), residual, weight_mode)
-        return _counted(y, counter)
+        return count_batch(y, counter)
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
@@ -461,7 +461,7 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
             float(activation_param), weight_mode == "signed", group)
     if group is None and _native_autograd(x, (x, weight, bias, residual)):
         return _apply_native(*args[:-1], counter)
-    return _counted(_run(_InPlaceABNFunction, args, (x, weight, bias, residual)), counter)
+    return count_batch(_run(_InPlaceABNFunction, args, (x, weight, bias, residual)), counter)
 
 
 def module_affine(module):
@@ -475,7 +475,8 @@ def module_affine(module):
     return weight, bias
 
 
-def _counted(y, counter):
+def count_batch(y, counter):
+    """y, once ``counter`` (a module's num_batches_tracked, or None) has counted the batch."""
     if counter is not None:
         counter.add_(1)
     return y

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import _activation, _distributed
 from .abn import ABN, InPlaceABN, InPlaceABNSync
-from .functions import update_running_stats
+from .functions import count_batch, update_running_stats
 
 _acc = _activation.acc_dtype
 
@@ -179,8 +179,7 @@ class ABNSync(ABN):
         momentum, _, running_mean, running_var, counter = self._batch_state()
         z = _SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean, running_var, momentum,
                                          float(self.eps), group)
-        self._count_batch(counter)
-        return self._activate(z)
+        return self._activate(count_batch(z, counter))
 
 
 def _common_kwargs(m):
