@@ -23,7 +23,8 @@ except ImportError as e:  # extension not built: pure backend
 
 HAS_NATIVE = _native_error is None
 OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad")  # CPU and CUDA
-CPU_OP_NAMES = ("backward_input_from_z_",)  # the SiLU z path, docs/DESIGN.md section 7.2
+# the SiLU z path (docs/DESIGN.md section 7.2) and the one-pass GroupNorm backward (section 10)
+CPU_OP_NAMES = ("backward_input_from_z_", "gn_backward")
 
 
 class _NativeOps:
@@ -162,6 +163,13 @@ def _register_fakes():
     def _(z, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param, signed_weight,
           residual_grad, sums_scale=1.0, groups=0):
         return torch.empty_like(z) if residual_grad else z.new_empty(0)
+
+    @torch.library.register_fake("inplace_abn::gn_backward")
+    def _(y, dy, mask, var, weight, bias, residual, groups, eps, activation, activation_param, signed_weight,
+          residual_grad):
+        dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
+        C = y.shape[1]
+        return torch.empty_like(y), dr, y.new_empty(C, dtype=acc(y)), y.new_empty(C, dtype=acc(y))
 
     @torch.library.register_fake("inplace_abn::weight_grad")
     def _(sum_gz_xhat, weight, signed_weight):

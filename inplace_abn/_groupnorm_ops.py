@@ -273,6 +273,14 @@ _PURE_OPS = _Ops(PURE)
 _DISPATCHED_OPS = _Ops({name: getattr(torch.ops.inplace_abn, name) for name in OP_NAMES})
 
 
+def native_backward(ops, y: torch.Tensor, act: int) -> bool:
+    """Whether the backward on y runs the native ``inplace_abn::gn_backward`` (the
+    operator of the C++ layer, src/ops/gn_backward.cpp): the dispatched operators on
+    a device with native kernels, where their forward used the native kernels too."""
+    return (ops is _DISPATCHED_OPS and _backend._has_device_kernel("cpu" if y.is_cpu else y.device.type)
+            and _native_ok(y, act))
+
+
 def keeps_z(ops, y: torch.Tensor, act: int) -> bool:
     """Whether the backward keeps z between its passes (`_backend.silu_keeps_z`)
     with the dispatched operators (their CPU kernels are the native ones)."""

@@ -53,6 +53,12 @@ class _InPlaceAGNFunction(torch.autograd.Function):
         dy = _output_grad(dy, y, invertible)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[3]
+        G = var.shape[1]
+        if (need_x or need_r) and _groupnorm_ops.native_backward(ops, y, act):  # the C++ layer's operator
+            dx, dr, s_gz, s_gzx = torch.ops.inplace_abn.gn_backward(y, dy, mask, var, weight, bias, residual, G, eps,
+                                                                     act, p, signed, need_r)
+            dweight, dbias = _param_grads(s_gz, s_gzx, weight, bias, signed, need_w, need_b)
+            return dx if need_x else None, dweight, dbias, dr if need_r else None, None, None, None, None, None
 
         # (N, C) sums over the spatial positions of gz and gz xhat; SiLU on the
         # CPU keeps z for the second pass (docs/DESIGN.md section 7.2)
@@ -62,7 +68,6 @@ class _InPlaceAGNFunction(torch.autograd.Function):
         dx = dr = None
         if need_x or need_r:
             N, C = y.shape[:2]
-            G = var.shape[1]
             if weight is None:
                 g = torch.ones(C, dtype=s_gz.dtype, device=y.device)
             else:

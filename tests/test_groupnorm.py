@@ -16,7 +16,7 @@ import inplace_abn
 from cases import PARAM, errors, make_case
 from inplace_abn import AGN, InPlaceAGN, _activation, inplace_agn
 from inplace_abn.memory import model_saved_bytes
-from reference import ACTIVATIONS, inplace_floor_gn, stock_gn
+from reference import ACTIVATIONS, inplace_floor_gn, rel_err, stock_gn
 from test_accuracy import bounds
 
 LAYOUTS = {
@@ -303,6 +303,70 @@ def test_opcheck_groupnorm_operators(act, fmt, residual):
                           (x.clone().bfloat16(), mean, var, None, None, None, 1e-5, act, p, False))
 
 
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")
+@pytest.mark.parametrize("weight_mode", ["abs", "signed", None])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape,groups,fmt", [
+    ((3, 8, 5, 7), 4, torch.contiguous_format),     # one pass: planes of whole vectors and a partial one
+    ((2, 3, 4, 4, 5), 1, torch.contiguous_format),  # one pass
+    ((1, 2, 200, 200), 1, torch.contiguous_format),  # blocks above kGnBackwardMaxBlock: two passes
+    ((3, 8, 4, 4), 4, torch.channels_last),         # two passes, sample by sample
+], ids=["4d", "5d_one_group", "large_blocks", "channels_last"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
+def test_gn_backward_operator_matches_groupnorm(activation, shape, groups, fmt, residual, weight_mode):
+    """gn_backward, the GroupNorm layer's backward operator, against float64 torch GroupNorm
+    + activation with autograd: dx, dresidual and the sums over the batch (dbias, and
+    dweight directly in signed mode, through weight_grad in abs mode), on its one-pass
+    CPU kernel and its two-pass path. Then opcheck in float32 and bfloat16."""
+    ops = torch.ops.inplace_abn
+    act, p, eps = _activation.CODES[activation], PARAM[activation], 1e-5
+    case = make_case(shape, torch.float64, seed=act)
+    case = {k: v.contiguous(memory_format=fmt) if v is not None and v.dim() == len(shape) else v
+            for k, v in case.items()}
+    x, dy, r = case["x"], case["dy"], case["residual"] if residual else None
+    w = None if weight_mode is None else case["w"]
+    b = None if weight_mode is None else case["b"]
+    signed = weight_mode == "signed"
+    mean, var = ops.batch_stats(x, None, None, 0.0, groups)
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, eps, act, p, signed, None, groups)
+    dx, dr, s_gz, s_gzx = ops.gn_backward(y, dy, mask, var, w, b, r, groups, eps, act, p, signed, residual)
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, r) if t is not None]
+    xr, wr, br = leaves[0], (leaves[1] if w is not None else None), (leaves[2] if w is not None else None)
+    ref = stock_gn(xr, groups, wr, br, eps, activation, p, weight_mode or "abs", leaves[-1] if residual else None)
+    assert rel_err(y, ref) < 1e-12
+    grads = dict(zip(["x", "w", "b", "r"] if w is not None else ["x", "r"], torch.autograd.grad(ref, leaves, dy)))
+    assert rel_err(dx, grads["x"]) < 1e-10
+    assert rel_err(dr, grads["r"]) < 1e-10 if residual else dr.numel() == 0
+    if w is not None:  # dbias, and dweight (through weight_grad in abs mode, as the layer)
+        assert rel_err(s_gz, grads["b"]) < 1e-10
+        assert rel_err(s_gzx if signed else ops.weight_grad(s_gzx, w, False), grads["w"]) < 1e-10
+    for dtype in (torch.float32, torch.bfloat16):
+        yl = x.to(dtype)
+        rl = None if r is None else r.to(dtype)
+        ml = ops.forward_(yl, mean.float(), var.float(), w, b, rl, eps, act, p, signed, None, groups)
+        torch.library.opcheck(ops.gn_backward.default, (yl, dy.to(dtype), ml, var.float(), w, b, rl, groups, eps,
+                                                        act, p, signed, residual))
+
+
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")
+def test_gn_backward_operator_errors():
+    ops = torch.ops.inplace_abn
+    x = torch.randn(2, 4, 6, 6)
+    mean, var = ops.batch_stats(x, None, None, 0.0, 2)
+    mask = torch.empty(0, dtype=torch.int32)
+    args = (x.clone(), torch.randn_like(x), mask, var, None, None, None)
+    with pytest.raises(RuntimeError, match="contiguous or channels-last"):
+        ops.gn_backward(x.transpose(2, 3), *args[1:], 2, 1e-5, 0, 0.0, False, False)
+    with pytest.raises(RuntimeError, match="groups > 0"):
+        ops.gn_backward(*args, 0, 1e-5, 0, 0.0, False, False)
+    with pytest.raises(RuntimeError, match="does not divide"):
+        ops.gn_backward(*args, 3, 1e-5, 0, 0.0, False, False)
+    with pytest.raises(RuntimeError, match="slope > 0"):
+        ops.gn_backward(*args, 2, 1e-5, 1, -0.1, False, False)
+
+
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("shape,fmt", [((3, 8, 4, 5), torch.contiguous_format), ((3, 8, 4, 5), torch.channels_last),
                                        ((3, 6, 4, 5), torch.channels_last)],  # the last: pure fallback (S C = 120)
@@ -542,7 +606,8 @@ def test_saved_bytes_groupnorm_silu_conv_blocks():
 
 @pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")
 @pytest.mark.parametrize("shape,groups,fmt", [
-    ((4, 64, 24, 24), 32, torch.contiguous_format),  # one (1, N*C, S) view per operator
+    ((4, 64, 24, 24), 32, torch.contiguous_format),  # the one-pass gn_backward
+    ((2, 4, 130, 130), 1, torch.contiguous_format),  # blocks too large for it: one (1, N*C, S) view per operator
     ((3, 64, 12, 20), 8, torch.channels_last),       # sample by sample
     ((512, 96), 12, torch.contiguous_format),         # (N, C): S = 1
 ])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import inplace_abn
-from inplace_abn import InPlaceABN, _pure
+from inplace_abn import InPlaceABN, InPlaceAGN, _pure
 from host_reads import HostReads
 from reference import rel_err
 
@@ -92,6 +92,23 @@ def test_relu_call_counts():
     assert layer.num_batches_tracked.item() == 1
     assert bwd == ["aten.threshold_backward.default", "inplace_abn.backward_reduce.default",
                    "inplace_abn.backward_input.default", "inplace_abn.weight_grad.default"], bwd
+
+
+@native_only
+@pytest.mark.parametrize("weight_mode", ["abs", "signed"])
+@pytest.mark.parametrize("activation", ["silu", "leaky_relu"])
+def test_groupnorm_call_counts(activation, weight_mode):
+    """GroupNorm: forward = batch_stats + forward_ (GroupNorm mode); backward = gn_backward
+    (one pass over memory for a contiguous x on the CPU) plus weight_grad's sign(w) in abs
+    mode (docs/DESIGN.md section 10)."""
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        layer = InPlaceAGN(4, 16, activation=activation, weight_mode=weight_mode)
+        x = torch.randn(4, 16, 8, 8).contiguous(memory_format=fmt)
+        fwd, bwd, fr, br = _counted(layer, x, torch.randn_like(x))
+        assert fwd == ["inplace_abn.batch_stats.default", "inplace_abn.forward_.default"], fwd
+        abs_mode = ["inplace_abn.weight_grad.default"] if weight_mode == "abs" else []
+        assert bwd == ["inplace_abn.gn_backward.default"] + abs_mode, bwd
+        assert fr == [] and br == [], (fr, br)
 
 
 def _stock_eval_grads(x, layer, dy):

@@ -129,9 +129,10 @@ def test_z_path_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("dtype,kept", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, False)],
                          ids=str)
 def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
-    """InPlaceABN and InPlaceAGN with SiLU call backward_input_from_z_ in
-    float32/float64 on the CPU (and the inverting backward_input otherwise),
-    from the C++ autograd of each layer (per sample for channels-last GroupNorm)."""
+    """InPlaceABN with SiLU calls backward_input_from_z_ in float32/float64 on the CPU
+    (and the inverting backward_input otherwise) from its C++ autograd. InPlaceAGN's
+    backward is one operator, gn_backward, which keeps z in its two-pass path the same way
+    (src/ops/gn_backward.cpp: silu_keeps_z)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
@@ -144,16 +145,18 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
             return func(*args, **(kwargs or {}))
 
     x0 = torch.randn(2, 8, 4, 4, dtype=dtype, requires_grad=True)
-    for layer, op, fmt in [
-            (inplace_abn.InPlaceABN(8, activation="silu"), "inplace_abn::backward_input", torch.contiguous_format),
-            (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::backward_input", torch.contiguous_format),
-            (inplace_abn.InPlaceAGN(4, 8, activation="silu"), "inplace_abn::backward_input", torch.channels_last)]:
+    for layer, fmt in [(inplace_abn.InPlaceABN(8, activation="silu"), torch.contiguous_format),
+                       (inplace_abn.InPlaceAGN(4, 8, activation="silu"), torch.contiguous_format),
+                       (inplace_abn.InPlaceAGN(4, 8, activation="silu"), torch.channels_last)]:
         layer = layer.to(dtype)
         x0 = x0.detach().contiguous(memory_format=fmt).requires_grad_()
         with Calls() as calls:
             layer(x0 * 1).sum().backward()
-        assert (op + "_from_z_" in calls.names) == kept, calls.names
-        assert (op in calls.names) == (not kept), calls.names
+        if isinstance(layer, inplace_abn.InPlaceAGN):
+            assert "inplace_abn::gn_backward" in calls.names and "inplace_abn::backward_reduce" not in calls.names
+            continue
+        assert ("inplace_abn::backward_input_from_z_" in calls.names) == kept, calls.names
+        assert ("inplace_abn::backward_input" in calls.names) == (not kept), calls.names
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])

@@ -33,6 +33,7 @@ struct Ops {
   decltype(handle<backward_input_from_z_>("")) input_z =
       handle<backward_input_from_z_>("inplace_abn::backward_input_from_z_");
   decltype(handle<weight_grad>("")) wgrad = handle<weight_grad>("inplace_abn::weight_grad");
+  decltype(handle<gn_backward>("")) gn = handle<gn_backward>("inplace_abn::gn_backward");
 };
 const Ops& ops() {
   static const Ops o;
@@ -83,10 +84,6 @@ struct Saved {
     i = ctx->saved_data["i"].toIntVector();
     const auto f = ctx->saved_data["f"].toDoubleVector();
     eps = f[0], p = f[1];
-  }
-  bool keeps_z(int64_t act) const {  // SiLU on the CPU (docs/DESIGN.md section 7.2)
-    return act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
-           (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
   }
 };
 
@@ -154,7 +151,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     // parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
     const bool reduce = need_w || need_b || (training && (need_x || need_r));
     // SiLU on the CPU: the reduce pass keeps z, the input pass starts from it (section 7.2)
-    const bool keep_z = reduce && need_x && sv.keeps_z(act);
+    const bool keep_z = reduce && need_x && silu_keeps_z(y, act);
     const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
     at::Tensor sum_gz, sum_gzx, dx, dr;
     if (reduce) std::tie(sum_gz, sum_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0);
@@ -184,10 +181,10 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
 };
 
 // The GroupNorm layer (docs/DESIGN.md section 10): the BatchNorm operators in
-// their GroupNorm mode (a channels-last x runs there sample by sample), as the
-// native GroupNorm operators of inplace_abn/_groupnorm_ops.py run them for
-// _InPlaceAGNFunction (which stays the path of the pure backend and of the
-// channels-last SiLU shapes those operators leave to it).
+// their GroupNorm mode forward (a channels-last x runs there sample by sample),
+// and gn_backward, as _InPlaceAGNFunction runs them with the native operators
+// (it stays the path of the pure backend and of the channels-last SiLU shapes
+// that inplace_abn/_groupnorm_ops.py leaves to the pure kernels).
 struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
                             const OptTensor& residual, int64_t groups, double eps, int64_t act, double param,
@@ -215,39 +212,18 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
     const OptTensor w = opt(weight), b = opt(bias), r = opt(sv.residual);
 
     const at::Tensor dy = like(grads[0], y);
-    const bool keep_z = need_x && sv.keeps_z(act);
-    const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
-    const int64_t N = y.size(0), C = y.size(1);
-    // (N, C) sums over the spatial positions of gz and gz xhat (any divisor of C as
-    // groups gives these sums)
-    const auto [s_gz, s_gzx] = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 1);
-    at::Tensor dx, dr;
-    if (need_x || need_r) {
-      at::Tensor g = at::ones({C}, s_gz.options());
-      if (weight.defined()) g = gain(weight.detach().to(s_gz.scalar_type()), true, eps, signed_weight);  // g~
-      const int64_t m = y.numel() / (N * G);  // elements per (n, group)
-      // group means of g~ gz and g~ gz xhat, per sample (N, G)
-      const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
-      const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
-      if (keep_z) {
-        dx = z;
-        dr = ops().input_z.call(z, dy, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p, signed_weight, need_r, 1.0,
-                                G);
-      } else {
-        std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, mean_ggz, mean_ggzx, eps, act, p,
-                                            signed_weight, need_r, 1.0, G);
-      }
-      dx = need_x ? dx.to(y.scalar_type()) : at::Tensor();
-      dr = need_r ? dr.to(y.scalar_type()) : at::Tensor();
+    at::Tensor dx, dr, s_gz, s_gzx, dw, db;
+    if (need_x || need_r) {  // one operator; on the CPU one pass over memory (section 10)
+      std::tie(dx, dr, s_gz, s_gzx) = ops().gn.call(y, dy, mask, var, w, b, r, G, eps, act, p, signed_weight, need_r);
+    } else {  // the parameters' sums only: (N, C), any divisor of C as groups
+      std::tie(s_gz, s_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, std::nullopt, 1);
+      s_gz = need_b ? s_gz.sum(0) : s_gz;
+      s_gzx = need_w ? s_gzx.sum(0) : s_gzx;
     }
-    at::Tensor dw, db;
-    if (need_w) {
-      const at::Tensor sw = s_gzx.sum(0);
-      dw = signed_weight ? sw.to(weight.scalar_type())
-                         : (sw * at::sign(weight.to(sw.scalar_type()))).to(weight.scalar_type());
-    }
-    if (need_b) db = s_gz.sum(0).to(bias.scalar_type());
-    return {dx, dw, db, dr, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (need_w) dw = signed_weight ? s_gzx.to(weight.scalar_type()) : ops().wgrad.call(s_gzx, weight, false);
+    if (need_b) db = s_gz.to(bias.scalar_type());
+    return {need_x ? dx : at::Tensor(), dw, db, need_r ? dr : at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -29,7 +29,10 @@ at::Tensor input_coefs(const at::Tensor& yv, const std::array<ChannelInput, 5>& 
                        double eps, bool signed_weight, double sums_scale, int64_t cols) {
   return coef_table<5>(yv, in, [&](const auto& v) {
     const auto r = inv_std(v[0], eps), g = gain(v[1], has_weight, eps, signed_weight), a_gz = g * r;
-    if (grouped) return std::array{v[2], a_gz, -r * (v[3] * sums_scale) / g, -r * (v[4] * sums_scale)};
+    if (grouped) {
+      const auto [a, b, c0] = gn_input_row(g, r, v[3] * sums_scale, v[4] * sums_scale);
+      return std::array{v[2], a, b, c0};
+    }
     return std::array{v[2], a_gz, -r * (v[3] * sums_scale), -a_gz * (v[4] * sums_scale)};
   }, cols);
 }

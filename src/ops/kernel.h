@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <type_traits>
 
 #include "activations.h"
@@ -32,6 +33,15 @@ enum ForwardRow : int { kFwdMeanHi, kFwdMeanLo, kFwdScale, kFwdShift, kFwdRows }
 enum ReduceRow : int { kRedShift, kRedGain, kRedRows };
 // backward_input: dx = a gz + b zc + c0 = g~ r (gz - mean_gz - xhat mean_gz_xhat).
 enum InputRow : int { kInShift, kInA, kInB, kInC0, kInRows };
+// GroupNorm's (a, b, c0) of InputRow from its (n, group) means of g~ gz and of
+// g~ gz xhat, for channel gain g and inverse std r (zc = g~ xhat, hence the / g).
+template <class T>
+std::array<T, 3> gn_input_row(const T& g, const T& r, const T& mean_ggz_xhat, const T& mean_ggz) {
+  return {g * r, -r * mean_ggz_xhat / g, -r * mean_ggz};
+}
+// gn_backward (GroupNorm, contiguous, CPU), one column per (n, c): the shift and
+// gain of ReduceRow and the (n, group)'s inverse std; the kernel derives InputRow.
+enum GnRow : int { kGnShift, kGnGain, kGnRstd, kGnRows };
 
 struct KernelArgs {
   at::Tensor x;         // batch_stats, forward_ (overwritten): x; backward: y
@@ -50,6 +60,9 @@ struct KernelArgs {
   Geometry g;
   Act act;
   double param;  // activation parameter
+  // gn_backward: the groups, and the (C,) sums over the batch of gz and gz xhat
+  int64_t groups = 0;
+  at::Tensor sum_gz, sum_gz_xhat;
 };
 
 using Kernel = void (*)(const KernelArgs&);
@@ -64,7 +77,7 @@ struct KernelStub {
   Kernel cuda;
   void operator()(const KernelArgs& a) const;
 };
-extern KernelStub batch_stats_stub, forward_stub, backward_reduce_stub, backward_input_stub;
+extern KernelStub batch_stats_stub, forward_stub, backward_reduce_stub, backward_input_stub, gn_backward_stub;
 
 // At namespace scope in a kernel file: the stub runs fn on the CPU (in the
 // file's CPU_CAPABILITY) or on CUDA.

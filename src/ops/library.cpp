@@ -71,6 +71,13 @@ TORCH_LIBRARY(inplace_abn, m) {
       "backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, bool signed_weight, "
       "bool residual_grad, float sums_scale=1.0, int groups=0) -> Tensor dresidual");
+  // The GroupNorm backward (groups > 0; docs/DESIGN.md section 10): dx, dresidual
+  // (empty without residual_grad) and the per-channel sums over the batch S_g =
+  // sum gz, S_gx = sum gz xhat; one pass over memory for a contiguous y on the CPU.
+  m.def(
+      "gn_backward(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
+      "int groups, float eps, int activation, float activation_param, bool signed_weight, bool residual_grad) "
+      "-> (Tensor dx, Tensor dresidual, Tensor sum_gz, Tensor sum_gz_xhat)");
 }
 
 TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) {

@@ -44,13 +44,26 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, con
                                   double activation_param, bool signed_weight, bool residual_grad,
                                   double sums_scale, int64_t groups);
 
+// The GroupNorm backward (groups > 0): dx, dresidual and the (C,) sums over the batch.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
+    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, int64_t groups, double eps, int64_t activation,
+    double activation_param, bool signed_weight, bool residual_grad);
+// Whether gn_backward takes its one-pass kernel: a contiguous CPU y whose
+// (sample, group) blocks hold at most kGnBackwardMaxBlock elements (the kernel keeps
+// two such blocks of its compute type per thread, 512 KB for float32: within L2).
+constexpr int64_t kGnBackwardMaxBlock = int64_t(1) << 16;
+bool gn_backward_fits(const at::Tensor& y, int64_t groups);
+
 // The same front ends for a device's dispatch key.
 #define IABN_IMPL_ALL(m)                                      \
   m.impl("batch_stats", &::inplace_abn::batch_stats);         \
   m.impl("forward_", &::inplace_abn::forward_);               \
   m.impl("backward_reduce", &::inplace_abn::backward_reduce); \
   m.impl("backward_input", &::inplace_abn::backward_input);   \
-  m.impl("weight_grad", &::inplace_abn::weight_grad)
+  m.impl("weight_grad", &::inplace_abn::weight_grad);         \
+  m.impl("gn_backward", &::inplace_abn::gn_backward)
 
 // CPU only (docs/DESIGN.md section 7.2)
 #define IABN_IMPL_CPU_ONLY(m) m.impl("backward_input_from_z_", &::inplace_abn::backward_input_from_z_)

@@ -1,0 +1,78 @@
+// inplace_abn::gn_backward: the backward of the GroupNorm layer from its output
+// (docs/DESIGN.md section 10): dx, dresidual and the per-channel sums over the
+// batch of gz and gz xhat. A contiguous y on the CPU whose (sample, group) blocks
+// fit the kernel's buffers takes one pass over memory
+// (src/cpu/gn_backward_kernel.cpp); other shapes and devices run backward_reduce,
+// the group means and backward_input, which read y and dy twice.
+#include "ops/common.h"
+#include "ops/ops.h"
+
+namespace inplace_abn {
+
+KernelStub gn_backward_stub;
+
+bool gn_backward_fits(const at::Tensor& y, int64_t groups) {
+  if (!y.is_cpu() || y.dim() < 3 || y.numel() == 0 || groups <= 0 || !y.is_contiguous()) return false;
+  const int64_t C = y.size(1), P = y.numel() / (y.size(0) * C);
+  // planes of at least a vector; a block's buffer (2 m floats) within L2
+  return C % groups == 0 && P >= 16 && (C / groups) * P <= kGnBackwardMaxBlock;
+}
+
+namespace {
+
+// Other shapes and devices: backward_reduce's (N, C) sums, their group means, then
+// backward_input (keeping z between the two where silu_keeps_z).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
+    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& residual, int64_t G, double eps, int64_t activation, double param,
+    bool signed_weight, bool residual_grad) {
+  const bool keep_z = silu_keeps_z(y, activation);
+  const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
+  const auto [s_gz, s_gzx] = backward_reduce(y, dy, mask, weight, bias, residual, eps, activation, param,
+                                             signed_weight, keep_z ? OptTensor(z) : std::nullopt, 1);
+  const int64_t N = y.size(0), C = y.size(1), m = y.numel() / (N * G);  // m: elements per (n, group)
+  const at::Tensor g = weight.has_value() ? gain(weight->detach().to(s_gz.scalar_type()), true, eps, signed_weight)
+                                          : at::ones({C}, s_gz.options());
+  // group means of g~ gz and g~ gz xhat, per sample (N, G)
+  const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
+  const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
+  at::Tensor dx = z, dres;
+  if (keep_z)
+    dres = backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, param,
+                                  signed_weight, residual_grad, 1.0, G);
+  else
+    std::tie(dx, dres) = backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
+                                        activation, param, signed_weight, residual_grad, 1.0, G);
+  return {dx, dres, s_gz.sum(0), s_gzx.sum(0)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
+    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& residual, int64_t groups, double eps, int64_t activation,
+    double activation_param, bool signed_weight, bool residual_grad) {
+  const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
+  TORCH_CHECK(groups > 0, "inplace_abn: gn_backward needs groups > 0, got ", groups);
+  const Groups grp(y, groups);
+  if (y.numel() > 0 && !gn_backward_fits(y, groups))
+    return two_pass(y, like(dy, y), mask, var, weight, bias, residual, groups, eps, activation, activation_param,
+                    signed_weight, residual_grad);
+  const std::array<ChannelInput, 3> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight"),
+                                       grp.stat(var, 0.0, y, "var")};
+  at::Tensor dx = at::empty_like(y);
+  at::Tensor dres = residual_grad ? at::empty_like(y) : at::empty({0}, y.options());
+  const auto opts = y.options().dtype(acc_type_of(y.scalar_type()));
+  if (y.numel() == 0) return {dx, dres, at::zeros({y.size(1)}, opts), at::zeros({y.size(1)}, opts)};
+  const at::Tensor sum_gz = at::empty({y.size(1)}, opts), sum_gz_xhat = at::empty({y.size(1)}, opts);
+  const TableGuard table_guard;
+  const at::Tensor coef = coef_table<3>(grp.view(y), in, [&](const auto& v) {
+    return std::array{v[0], gain(v[1], weight.has_value(), eps, signed_weight), inv_std(v[2], eps)};
+  }, grp.columns(y));
+  gn_backward_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask, .coef = coef,
+                    .out1 = dx, .out2 = residual_grad ? dres : at::Tensor(), .g = geometry_of(y, "y"), .act = act,
+                    .param = activation_param, .groups = groups, .sum_gz = sum_gz, .sum_gz_xhat = sum_gz_xhat});
+  return {dx, dres, sum_gz, sum_gz_xhat};
+}
+
+}  // namespace inplace_abn
