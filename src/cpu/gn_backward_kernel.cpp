@@ -19,42 +19,57 @@ void gn_backward_t(const KernelArgs& a) {
   using Ac = Activation<A, VecMath<F>>;
   constexpr int W = V::size();
   constexpr int NP = DPair<F>::N;
+  // SiLU's and ELU's inverses cost more than a store and a load of zc and gz: kept in
+  // the buffer; identity and leaky_relu recompute them from y and dy (in the cache)
+  constexpr bool kBuffer = A == Act::Silu || A == Act::Elu;
   using D = Vectorized<double>;
   const int64_t N = a.g.N, C = a.g.C, P = a.g.S, cg = C / a.groups, m = cg * P;
-  const S* y = a.x.const_data_ptr<S>();
-  const S* dy = a.dy.const_data_ptr<S>();
-  const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
-  const int32_t* mask = A == Act::Silu ? a.mask.const_data_ptr<int32_t>() : nullptr;
-  S* dx = a.out1.data_ptr<S>();
-  S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
+  const S* y_ = a.x.const_data_ptr<S>();
+  const S* dy_ = a.dy.const_data_ptr<S>();
+  const S* res_ = RES ? a.residual.const_data_ptr<S>() : nullptr;
+  const int32_t* mask_ = A == Act::Silu ? a.mask.const_data_ptr<int32_t>() : nullptr;
+  S* dx_ = a.out1.data_ptr<S>();
+  S* dres_ = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
   const F* tab = a.coef.const_data_ptr<F>();  // (kGnRows, N C)
-  const F *shift = tab + kGnShift * N * C, *gain = tab + kGnGain * N * C, *rstd = tab + kGnRstd * N * C;
-  std::vector<double> sums(2 * N * C);  // per (n, c): sum gz, sum gz zc
+  const F *shift_ = tab + kGnShift * N * C, *gain_ = tab + kGnGain * N * C, *rstd_ = tab + kGnRstd * N * C;
+  std::vector<double> sums_(2 * N * C);  // per (n, c): sum gz, sum gz zc
   const V p(static_cast<F>(a.param));
   at::parallel_for(0, N * a.groups, std::max<int64_t>(1, kGrain / kCost<A> / m), [&](int64_t b0, int64_t b1) {
-    std::vector<F> buf(2 * (m + W));  // zc, then gz; a vector of slack for partial stores
+    std::vector<F> buf(kBuffer ? 2 * (m + W) : 0);  // zc, then gz; a vector of slack for partial stores
     F *const zcb = buf.data(), *const gzb = zcb + m + W;
+    // local copies: the captured originals' addresses escape into the thread pool, so
+    // every store to the buffer would reload them (see forward_kernel.cpp)
+    const S *const y = y_, *const dy = dy_, *const res = res_;
+    const int32_t* const mask = mask_;
+    S *const dx = dx_, *const dres = dres_;
+    const F *const shift = shift_, *const gain = gain_, *const rstd = rstd_;
+    double* const sums = sums_.data();
     const V p_ = p;
+    // gz and zc of the vector at element e; lanes past cnt give 0 (to the sums)
+    auto elem = [&](int64_t e, int cnt, auto full, const V& sh, V& gz, V& zc) {
+      constexpr bool FULL = decltype(full)::value;
+      const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, e, cnt)) : V(F(0));
+      V d;
+      const V z = Ac::inverse_deriv(io::template ld<FULL>(y + e, cnt), left, p_, d);
+      gz = io::template ld<FULL>(dy + e, cnt) * d;
+      zc = z - sh;
+      if constexpr (RES) zc = zc - io::template ld<FULL>(res + e, cnt);
+      if constexpr (!FULL) {
+        gz = V::set(V(F(0)), gz, cnt);
+        zc = V::set(V(F(0)), zc, cnt);
+      }
+    };
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t col0 = blk * cg;  // the (n, c) column of the block's first channel
       for (int64_t c = 0; c < cg; ++c) {
         const int64_t col = col0 + c, e = col * P, o = c * P;
         const V sh(shift[col]);
-        // one vector: zc and gz into the buffer; lanes past cnt give 0 to the sums
-        auto elem = [&](int64_t j, int cnt, auto full, V& gz, V& zc) {
-          constexpr bool FULL = decltype(full)::value;
-          const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, e + j, cnt)) : V(F(0));
-          V d;
-          const V z = Ac::inverse_deriv(io::template ld<FULL>(y + e + j, cnt), left, p_, d);
-          gz = io::template ld<FULL>(dy + e + j, cnt) * d;
-          zc = z - sh;
-          if constexpr (RES) zc = zc - io::template ld<FULL>(res + e + j, cnt);
-          if constexpr (!FULL) {
-            gz = V::set(V(F(0)), gz, cnt);
-            zc = V::set(V(F(0)), zc, cnt);
+        auto kept = [&](int64_t j, int cnt, auto full, V& gz, V& zc) {
+          elem(e + j, cnt, full, sh, gz, zc);
+          if constexpr (kBuffer) {
+            gz.store(gzb + o + j);
+            zc.store(zcb + o + j);
           }
-          gz.store(gzb + o + j);
-          zc.store(zcb + o + j);
         };
         // the sums as reduce2's planes: four vectors pairwise in F, then double
         DPair<F> s1, s2;
@@ -69,15 +84,15 @@ void gn_backward_t(const KernelArgs& a) {
         int64_t j = 0;
         for (; j + 4 * W <= P; j += 4 * W) {
           V u0, v0, u1, v1, u2, v2, u3, v3;
-          elem(j, W, std::true_type{}, u0, v0);
-          elem(j + W, W, std::true_type{}, u1, v1);
-          elem(j + 2 * W, W, std::true_type{}, u2, v2);
-          elem(j + 3 * W, W, std::true_type{}, u3, v3);
+          kept(j, W, std::true_type{}, u0, v0);
+          kept(j + W, W, std::true_type{}, u1, v1);
+          kept(j + 2 * W, W, std::true_type{}, u2, v2);
+          kept(j + 3 * W, W, std::true_type{}, u3, v3);
           add((u0 + u1) + (u2 + u3), at::vec::fmadd(u1, v1, u0 * v0) + at::vec::fmadd(u3, v3, u2 * v2));
         }
         for_vectors<W>(P - j, [&](int64_t jj, int cnt, auto full) {
           V u, v;
-          elem(j + jj, cnt, full, u, v);
+          kept(j + jj, cnt, full, u, v);
           add(u, u * v);
         });
         sums[2 * col] = lane_sum(s1);
@@ -95,10 +110,17 @@ void gn_backward_t(const KernelArgs& a) {
         const int64_t col = col0 + c, e = col * P, o = c * P;
         const auto row = gn_input_row<double>(gain[col], rstd[col], mzx, mz);
         const V ca(static_cast<F>(row[0])), cb(static_cast<F>(row[1])), c0(static_cast<F>(row[2]));
+        const V sh(shift[col]);
         for_vectors<W>(P, [&](int64_t j, int cnt, auto full) {
           constexpr bool FULL = decltype(full)::value;
-          const V gz = V::loadu(gzb + o + j);
-          io::template st<FULL>(dx + e + j, at::vec::fmadd(ca, gz, at::vec::fmadd(cb, V::loadu(zcb + o + j), c0)), cnt);
+          V gz, zc;
+          if constexpr (kBuffer) {
+            gz = V::loadu(gzb + o + j);
+            zc = V::loadu(zcb + o + j);
+          } else {  // again from y and dy, which the block's first pass left in the cache
+            elem(e + j, cnt, full, sh, gz, zc);
+          }
+          io::template st<FULL>(dx + e + j, at::vec::fmadd(ca, gz, at::vec::fmadd(cb, zc, c0)), cnt);
           if (dres) io::template st<FULL>(dres + e + j, gz, cnt);
         });
       }
@@ -110,11 +132,11 @@ void gn_backward_t(const KernelArgs& a) {
   for (int64_t c = 0; c < C; ++c) {
     double t1 = 0.0, t2 = 0.0;
     for (int64_t n = 0; n < N; ++n) {
-      t1 += sums[2 * (n * C + c)];
-      t2 += sums[2 * (n * C + c) + 1];
+      t1 += sums_[2 * (n * C + c)];
+      t2 += sums_[2 * (n * C + c) + 1];
     }
     sg[c] = static_cast<F>(t1);
-    sgx[c] = static_cast<F>(t2 / static_cast<double>(gain[c]));
+    sgx[c] = static_cast<F>(t2 / static_cast<double>(gain_[c]));
   }
 }
 
