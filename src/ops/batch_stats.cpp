@@ -50,8 +50,8 @@ std::tuple<at::Tensor, at::Tensor> group_stats(const at::Tensor& x, const OptTen
   }
   std::vector<KernelArgs> parts(N);
   for (int64_t n = 0; n < N; ++n) {
-    const at::Tensor xs = x.select(0, n).movedim(0, -1).reshape({-1, G, C / G});
-    parts[n] = {.x = xs, .out1 = mean.select(0, n), .out2 = var.select(0, n), .g = geometry_of(xs, "x")};
+    const at::Tensor xs = raw_view(x, {x.numel() / (N * C), G, C / G}, {C, C / G, 1}, n * x.stride(0));
+    parts[n] = {.x = xs, .out1 = part(mean, n, 1, false), .out2 = part(var, n, 1, false), .g = geometry_of(xs, "x")};
   }
   Groups::for_samples(N, x.is_cpu(), [&](int64_t n) { batch_stats_stub(parts[n]); });
   return {mean, var};
