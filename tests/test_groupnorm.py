@@ -29,6 +29,8 @@ LAYOUTS = {
     "4d_group_per_channel": ((3, 4, 5, 6), 4, torch.channels_last),
     # each sample fills whole mask words: the native channels-last SiLU path (not the pure fallback)
     "4d_channels_last_words": ((3, 8, 4, 6), 4, torch.channels_last),
+    # C >= 16: gn_backward's one-pass channels-last kernel (rows of a vector and a partial one)
+    "4d_channels_last_wide": ((2, 24, 4, 5), 4, torch.channels_last),
     "5d": ((3, 4, 3, 5, 4), 2, torch.contiguous_format),
     "5d_channels_last_3d": ((3, 4, 3, 5, 4), 2, torch.channels_last_3d),
 }
@@ -310,8 +312,9 @@ def test_opcheck_groupnorm_operators(act, fmt, residual):
     ((3, 8, 5, 7), 4, torch.contiguous_format),     # one pass: planes of whole vectors and a partial one
     ((2, 3, 4, 4, 5), 1, torch.contiguous_format),  # one pass
     ((1, 2, 200, 200), 1, torch.contiguous_format),  # blocks above kGnBackwardMaxBlock: two passes
-    ((3, 8, 4, 4), 4, torch.channels_last),         # two passes, sample by sample
-], ids=["4d", "5d_one_group", "large_blocks", "channels_last"])
+    ((2, 24, 4, 5), 4, torch.channels_last),        # one pass, a sample per block
+    ((3, 8, 4, 4), 4, torch.channels_last),         # C < 16: two passes, sample by sample
+], ids=["4d", "5d_one_group", "large_blocks", "channels_last", "channels_last_narrow"])
 @pytest.mark.parametrize("activation", INVERTIBLE)
 def test_gn_backward_operator_matches_groupnorm(activation, shape, groups, fmt, residual, weight_mode):
     """gn_backward, the GroupNorm layer's backward operator, against float64 torch GroupNorm
@@ -608,7 +611,8 @@ def test_saved_bytes_groupnorm_silu_conv_blocks():
 @pytest.mark.parametrize("shape,groups,fmt", [
     ((4, 64, 24, 24), 32, torch.contiguous_format),  # the one-pass gn_backward
     ((2, 4, 130, 130), 1, torch.contiguous_format),  # blocks too large for it: one (1, N*C, S) view per operator
-    ((3, 64, 12, 20), 8, torch.channels_last),       # sample by sample
+    ((3, 64, 12, 20), 8, torch.channels_last),       # sample by sample; gn_backward's one pass per sample
+    ((3, 8, 12, 20), 4, torch.channels_last),        # C < 16: gn_backward's two passes
     ((512, 96), 12, torch.contiguous_format),         # (N, C): S = 1
 ])
 @pytest.mark.parametrize("activation", ["leaky_relu", "silu"])

@@ -1,9 +1,9 @@
-// gn_backward on the CPU (GroupNorm, contiguous y): the backward of one
-// (sample, group) block at a time, in one pass over memory. zc = z - shift
-// [- residual] and gz = dy f'(z) of the block go to a per-thread buffer
-// (blocks are L2-sized, see gn_backward_fits), its per-channel sums give the
-// group means, and dx = a gz + b zc + c0 is computed from the buffer: the
-// activation is inverted once, and y and dy are read once.
+// gn_backward on the CPU (GroupNorm): the backward of one block at a time, in
+// one pass over memory: a (sample, group) of a contiguous y, a sample of a
+// channels-last one. zc = z - shift [- residual] and gz = dy f'(z) of the block
+// go to a per-thread buffer (blocks are L2-sized, see gn_backward_fits), its
+// per-channel sums give the group means, and dx = a gz + b zc + c0 is computed
+// from the buffer: the activation is inverted once, and y and dy are read once.
 #include "cpu/kernel_utils.h"
 
 namespace inplace_abn {
@@ -11,62 +11,106 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
+// gz = dy f'(z) and zc = z - shift [- residual] of the vector at element e, whose
+// SiLU bit is `bit` of `mask`; lanes past cnt give 0 (to the sums).
 template <typename S, Act A, bool RES>
-void gn_backward_t(const KernelArgs& a) {
+struct GzZc {
   using io = IO<S>;
   using F = typename io::F;
   using V = Vectorized<F>;
-  using Ac = Activation<A, VecMath<F>>;
+  const S *y, *dy, *res;
+  const int32_t* mask;
+  V p;
+  template <bool FULL>
+  void operator()(int64_t e, int64_t bit, int cnt, const V& sh, V& gz, V& zc) const {
+    const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, bit, cnt)) : V(F(0));
+    V d;
+    const V z = Activation<A, VecMath<F>>::inverse_deriv(io::template ld<FULL>(y + e, cnt), left, p, d);
+    gz = io::template ld<FULL>(dy + e, cnt) * d;
+    zc = z - sh;
+    if constexpr (RES) zc = zc - io::template ld<FULL>(res + e, cnt);
+    if constexpr (!FULL) {
+      gz = V::set(V(F(0)), gz, cnt);
+      zc = V::set(V(F(0)), zc, cnt);
+    }
+  }
+};
+
+// SiLU's and ELU's inverses cost more than a store and a load of zc and gz: these
+// are kept in the buffer; identity and leaky_relu recompute them from y and dy,
+// which the first pass left in the cache.
+template <Act A>
+constexpr bool kBuffer = A == Act::Silu || A == Act::Elu;
+
+// What both layouts share: the table, outputs, per-(n, c) sums.
+template <typename S, Act A, bool RES>
+struct GnArgs {
+  using F = typename IO<S>::F;
+  int64_t N, C, P, cg, m;
+  GzZc<S, A, RES> el;
+  S *dx, *dres;
+  const F *shift, *gain, *rstd;  // rows of the (kGnRows, N C) table
+  std::vector<double> sums;      // per (n, c): sum gz, sum gz zc
+  explicit GnArgs(const KernelArgs& a)
+      : N(a.g.N), C(a.g.C), P(a.g.S), cg(C / a.groups), m(cg * P),
+        el{a.x.const_data_ptr<S>(), a.dy.const_data_ptr<S>(), RES ? a.residual.const_data_ptr<S>() : nullptr,
+           A == Act::Silu ? a.mask.const_data_ptr<int32_t>() : nullptr,
+           Vectorized<F>(static_cast<F>(a.param))},
+        dx(a.out1.data_ptr<S>()), dres(a.out2.defined() ? a.out2.data_ptr<S>() : nullptr),
+        shift(a.coef.const_data_ptr<F>() + kGnShift * N * C), gain(shift + (kGnGain - kGnShift) * N * C),
+        rstd(shift + (kGnRstd - kGnShift) * N * C), sums(2 * N * C) {}
+  // the (n, group) means of g~ gz and g~ gz xhat (= sum gz zc) from the sums of its channels
+  std::array<double, 2> group_means(int64_t col0) const {
+    double mz = 0.0, mzx = 0.0;
+    for (int64_t c = 0; c < cg; ++c) {
+      mz += static_cast<double>(gain[col0 + c]) * sums[2 * (col0 + c)];
+      mzx += sums[2 * (col0 + c) + 1];
+    }
+    return {mz / static_cast<double>(m), mzx / static_cast<double>(m)};
+  }
+  // the sums over the samples, in order (the same for any thread count)
+  void finish(const KernelArgs& a) const {
+    F* sg = a.sum_gz.data_ptr<F>();
+    F* sgx = a.sum_gz_xhat.data_ptr<F>();
+    for (int64_t c = 0; c < C; ++c) {
+      double t1 = 0.0, t2 = 0.0;
+      for (int64_t n = 0; n < N; ++n) {
+        t1 += sums[2 * (n * C + c)];
+        t2 += sums[2 * (n * C + c) + 1];
+      }
+      sg[c] = static_cast<F>(t1);
+      sgx[c] = static_cast<F>(t2 / static_cast<double>(gain[c]));
+    }
+  }
+};
+
+// Contiguous (N, C, P): a block is one (sample, group), cg planes of P elements.
+template <typename S, Act A, bool RES>
+void gn_backward_planes(const KernelArgs& a) {
+  using io = IO<S>;
+  using F = typename io::F;
+  using V = Vectorized<F>;
   constexpr int W = V::size();
   constexpr int NP = DPair<F>::N;
-  // SiLU's and ELU's inverses cost more than a store and a load of zc and gz: kept in
-  // the buffer; identity and leaky_relu recompute them from y and dy (in the cache)
-  constexpr bool kBuffer = A == Act::Silu || A == Act::Elu;
   using D = Vectorized<double>;
-  const int64_t N = a.g.N, C = a.g.C, P = a.g.S, cg = C / a.groups, m = cg * P;
-  const S* y_ = a.x.const_data_ptr<S>();
-  const S* dy_ = a.dy.const_data_ptr<S>();
-  const S* res_ = RES ? a.residual.const_data_ptr<S>() : nullptr;
-  const int32_t* mask_ = A == Act::Silu ? a.mask.const_data_ptr<int32_t>() : nullptr;
-  S* dx_ = a.out1.data_ptr<S>();
-  S* dres_ = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
-  const F* tab = a.coef.const_data_ptr<F>();  // (kGnRows, N C)
-  const F *shift_ = tab + kGnShift * N * C, *gain_ = tab + kGnGain * N * C, *rstd_ = tab + kGnRstd * N * C;
-  std::vector<double> sums_(2 * N * C);  // per (n, c): sum gz, sum gz zc
-  const V p(static_cast<F>(a.param));
-  at::parallel_for(0, N * a.groups, std::max<int64_t>(1, kGrain / kCost<A> / m), [&](int64_t b0, int64_t b1) {
-    std::vector<F> buf(kBuffer ? 2 * (m + W) : 0);  // zc, then gz; a vector of slack for partial stores
+  GnArgs<S, A, RES> ga(a);
+  const int64_t cg = ga.cg, P = ga.P, m = ga.m;
+  at::parallel_for(0, ga.N * a.groups, std::max<int64_t>(1, kGrain / kCost<A> / m), [&](int64_t b0, int64_t b1) {
+    std::vector<F> buf(kBuffer<A> ? 2 * (m + W) : 0);  // zc, then gz; a vector of slack for partial stores
     F *const zcb = buf.data(), *const gzb = zcb + m + W;
     // local copies: the captured originals' addresses escape into the thread pool, so
     // every store to the buffer would reload them (see forward_kernel.cpp)
-    const S *const y = y_, *const dy = dy_, *const res = res_;
-    const int32_t* const mask = mask_;
-    S *const dx = dx_, *const dres = dres_;
-    const F *const shift = shift_, *const gain = gain_, *const rstd = rstd_;
-    double* const sums = sums_.data();
-    const V p_ = p;
-    // gz and zc of the vector at element e; lanes past cnt give 0 (to the sums)
-    auto elem = [&](int64_t e, int cnt, auto full, const V& sh, V& gz, V& zc) {
-      constexpr bool FULL = decltype(full)::value;
-      const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, e, cnt)) : V(F(0));
-      V d;
-      const V z = Ac::inverse_deriv(io::template ld<FULL>(y + e, cnt), left, p_, d);
-      gz = io::template ld<FULL>(dy + e, cnt) * d;
-      zc = z - sh;
-      if constexpr (RES) zc = zc - io::template ld<FULL>(res + e, cnt);
-      if constexpr (!FULL) {
-        gz = V::set(V(F(0)), gz, cnt);
-        zc = V::set(V(F(0)), zc, cnt);
-      }
-    };
+    const GzZc<S, A, RES> el = ga.el;
+    S *const dx = ga.dx, *const dres = ga.dres;
+    double* const sums = ga.sums.data();
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t col0 = blk * cg;  // the (n, c) column of the block's first channel
       for (int64_t c = 0; c < cg; ++c) {
         const int64_t col = col0 + c, e = col * P, o = c * P;
-        const V sh(shift[col]);
+        const V sh(ga.shift[col]);
         auto kept = [&](int64_t j, int cnt, auto full, V& gz, V& zc) {
-          elem(e + j, cnt, full, sh, gz, zc);
-          if constexpr (kBuffer) {
+          el.template operator()<decltype(full)::value>(e + j, e + j, cnt, sh, gz, zc);
+          if constexpr (kBuffer<A>) {
             gz.store(gzb + o + j);
             zc.store(zcb + o + j);
           }
@@ -98,27 +142,20 @@ void gn_backward_t(const KernelArgs& a) {
         sums[2 * col] = lane_sum(s1);
         sums[2 * col + 1] = lane_sum(s2);
       }
-      // the group means of g~ gz and g~ gz xhat (= sum gz zc)
-      double mz = 0.0, mzx = 0.0;
-      for (int64_t c = 0; c < cg; ++c) {
-        mz += static_cast<double>(gain[col0 + c]) * sums[2 * (col0 + c)];
-        mzx += sums[2 * (col0 + c) + 1];
-      }
-      mz /= static_cast<double>(m);
-      mzx /= static_cast<double>(m);
+      const auto [mz, mzx] = ga.group_means(col0);
       for (int64_t c = 0; c < cg; ++c) {
         const int64_t col = col0 + c, e = col * P, o = c * P;
-        const auto row = gn_input_row<double>(gain[col], rstd[col], mzx, mz);
+        const auto row = gn_input_row<double>(ga.gain[col], ga.rstd[col], mzx, mz);
         const V ca(static_cast<F>(row[0])), cb(static_cast<F>(row[1])), c0(static_cast<F>(row[2]));
-        const V sh(shift[col]);
+        const V sh(ga.shift[col]);
         for_vectors<W>(P, [&](int64_t j, int cnt, auto full) {
           constexpr bool FULL = decltype(full)::value;
           V gz, zc;
-          if constexpr (kBuffer) {
+          if constexpr (kBuffer<A>) {
             gz = V::loadu(gzb + o + j);
             zc = V::loadu(zcb + o + j);
-          } else {  // again from y and dy, which the block's first pass left in the cache
-            elem(e + j, cnt, full, sh, gz, zc);
+          } else {
+            el.template operator()<FULL>(e + j, e + j, cnt, sh, gz, zc);
           }
           io::template st<FULL>(dx + e + j, at::vec::fmadd(ca, gz, at::vec::fmadd(cb, zc, c0)), cnt);
           if (dres) io::template st<FULL>(dres + e + j, gz, cnt);
@@ -126,23 +163,98 @@ void gn_backward_t(const KernelArgs& a) {
       }
     }
   });
-  // over the samples, in order (the same for any thread count)
-  F* sg = a.sum_gz.data_ptr<F>();
-  F* sgx = a.sum_gz_xhat.data_ptr<F>();
-  for (int64_t c = 0; c < C; ++c) {
-    double t1 = 0.0, t2 = 0.0;
-    for (int64_t n = 0; n < N; ++n) {
-      t1 += sums_[2 * (n * C + c)];
-      t2 += sums_[2 * (n * C + c) + 1];
+  ga.finish(a);
+}
+
+// Channels-last (N, P, C): a block is one sample, P rows of C channels, its
+// groups interleaved in every row; per-channel sums in the compute type over
+// kRows rows, then in double (as reduce2's rows). The SiLU mask is the
+// samples' masks, each padded to whole 32-bit words (Groups).
+template <typename S, Act A, bool RES>
+void gn_backward_rows(const KernelArgs& a) {
+  using io = IO<S>;
+  using F = typename io::F;
+  using V = Vectorized<F>;
+  constexpr int W = V::size();
+  constexpr int64_t kRows = sizeof(F) == sizeof(float) ? 4 : 1;
+  GnArgs<S, A, RES> ga(a);
+  const int64_t C = ga.C, P = ga.P, G = a.groups, cg = ga.cg, words = (P * C + 31) / 32;  // (Groups::mask_size)
+  at::parallel_for(0, ga.N, 1, [&](int64_t n0, int64_t n1) {
+    const int64_t CP = (C + W - 1) / W * W;  // a row padded to whole vectors
+    std::vector<F> buf(kBuffer<A> ? 2 * (P * C + W) : 0), acc(2 * CP), coef(3 * CP);
+    std::vector<double> dacc(2 * C);
+    F *const zcb = buf.data(), *const gzb = zcb + P * C + W;
+    const GzZc<S, A, RES> el0 = ga.el;
+    S *const dx = ga.dx, *const dres = ga.dres;
+    for (int64_t n = n0; n < n1; ++n) {
+      GzZc<S, A, RES> el = el0;
+      if constexpr (A == Act::Silu) el.mask += n * words;
+      const int64_t base = n * P * C, col0 = n * C;
+      const F* const sh = ga.shift + col0;
+      std::fill(acc.begin(), acc.end(), F(0));
+      std::fill(dacc.begin(), dacc.end(), 0.0);
+      auto flush = [&] {
+        for (int64_t c = 0; c < C; ++c) {
+          dacc[c] += static_cast<double>(acc[c]);
+          dacc[C + c] += static_cast<double>(acc[CP + c]);
+        }
+        std::fill(acc.begin(), acc.end(), F(0));
+      };
+      for (int64_t s = 0; s < P; ++s) {
+        for_vectors<W>(C, [&](int64_t j, int cnt, auto full) {
+          constexpr bool FULL = decltype(full)::value;
+          const int64_t o = s * C + j;
+          V gz, zc;
+          el.template operator()<FULL>(base + o, o, cnt, FULL ? V::loadu(sh + j) : V::loadu(sh + j, cnt), gz, zc);
+          if constexpr (kBuffer<A>) {
+            gz.store(gzb + o);
+            zc.store(zcb + o);
+          }
+          (V::loadu(acc.data() + j) + gz).store(acc.data() + j);
+          at::vec::fmadd(gz, zc, V::loadu(acc.data() + CP + j)).store(acc.data() + CP + j);
+        });
+        if (s % kRows == kRows - 1 || s + 1 == P) flush();
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        ga.sums[2 * (col0 + c)] = dacc[c];
+        ga.sums[2 * (col0 + c) + 1] = dacc[C + c];
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const auto [mz, mzx] = ga.group_means(col0 + g * cg);
+        for (int64_t c = g * cg; c < (g + 1) * cg; ++c) {
+          const auto row = gn_input_row<double>(ga.gain[col0 + c], ga.rstd[col0 + c], mzx, mz);
+          for (int k = 0; k < 3; ++k) coef[k * CP + c] = static_cast<F>(row[k]);
+        }
+      }
+      for (int64_t s = 0; s < P; ++s) {
+        for_vectors<W>(C, [&](int64_t j, int cnt, auto full) {
+          constexpr bool FULL = decltype(full)::value;
+          const int64_t o = s * C + j;
+          V gz, zc;
+          if constexpr (kBuffer<A>) {
+            gz = V::loadu(gzb + o);
+            zc = V::loadu(zcb + o);
+          } else {
+            el.template operator()<FULL>(base + o, o, cnt, FULL ? V::loadu(sh + j) : V::loadu(sh + j, cnt), gz, zc);
+          }
+          const V dxv = at::vec::fmadd(V::loadu(coef.data() + j), gz,
+                                       at::vec::fmadd(V::loadu(coef.data() + CP + j), zc,
+                                                      V::loadu(coef.data() + 2 * CP + j)));
+          io::template st<FULL>(dx + base + o, dxv, cnt);
+          if (dres) io::template st<FULL>(dres + base + o, gz, cnt);
+        });
+      }
     }
-    sg[c] = static_cast<F>(t1);
-    sgx[c] = static_cast<F>(t2 / static_cast<double>(gain_[c]));
-  }
+  });
+  ga.finish(a);
 }
 
 void gn_backward_kernel(const KernelArgs& a) {
   dispatch(a, [&](auto s, auto act, auto res) {
-    gn_backward_t<decltype(s), decltype(act)::value, decltype(res)::value>(a);
+    using S = decltype(s);
+    constexpr Act A = decltype(act)::value;
+    constexpr bool R = decltype(res)::value;
+    a.g.channels_last ? gn_backward_rows<S, A, R>(a) : gn_backward_planes<S, A, R>(a);
   });
 }
 

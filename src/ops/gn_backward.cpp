@@ -12,10 +12,12 @@ namespace inplace_abn {
 KernelStub gn_backward_stub;
 
 bool gn_backward_fits(const at::Tensor& y, int64_t groups) {
-  if (!y.is_cpu() || y.dim() < 3 || y.numel() == 0 || groups <= 0 || !y.is_contiguous()) return false;
+  if (!y.is_cpu() || y.dim() < 3 || y.numel() == 0 || groups <= 0 || y.size(1) % groups) return false;
   const int64_t C = y.size(1), P = y.numel() / (y.size(0) * C);
-  // planes of at least a vector; a block's buffer (2 m floats) within L2
-  return C % groups == 0 && P >= 16 && (C / groups) * P <= kGnBackwardMaxBlock;
+  // a block, (sample, group) or (channels-last) sample, within kGnBackwardMaxBlock,
+  // whose planes or rows hold at least a vector
+  if (is_channels_last(y)) return C >= 16 && P * C <= kGnBackwardMaxBlock;
+  return y.is_contiguous() && P >= 16 && (C / groups) * P <= kGnBackwardMaxBlock;
 }
 
 namespace {
