@@ -112,7 +112,7 @@ def test_cuda_groupnorm_matches_float64_reference(activation, layout, dtype):
 
 
 def test_cuda_groupnorm_runs_native_kernels():
-    for name in ("gn_stats", "gn_forward_", "gn_backward_reduce", "gn_backward_input"):
+    for name in ("gn_stats", "gn_forward_", "gn_backward_reduce", "gn_backward_input", "gn_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{name}", "CUDA"), name
 
 
