@@ -11,7 +11,14 @@ the variants taking turns (bench_cpu._interleaved):
   stock : nn.GroupNorm + activation (eager), the same gradients
 
     python benchmarks/bench_groupnorm.py [--threads 2] [--repeats 20] [--quick]
+    python benchmarks/bench_groupnorm.py --unet [--repeats 20]
+
+--unet: instead, the GroupNorm + SiLU layers of bench_unet.py's converted UNet
+(needs diffusers), one row per distinct (shape, layout, groups) with its count
+in the model, and the count-weighted sum of both: what the UNet's step spends
+in these layers, measured layer by layer.
 """
+from collections import Counter
 import argparse
 import os
 import sys
@@ -28,14 +35,14 @@ ACT = {"silu": nn.SiLU, "leaky_relu": lambda: nn.LeakyReLU(0.01)}
 GROUPS = 32
 
 
-def bench(shape, activation, channels_last, repeats):
+def bench(shape, activation, channels_last, repeats, groups=GROUPS):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     C = shape[1]
     src = torch.randn(shape).contiguous(memory_format=fmt)
     dy = torch.randn(shape).contiguous(memory_format=fmt)
     leaf = src.clone().requires_grad_()
-    ours = InPlaceAGN(GROUPS, C, activation=activation, weight_mode="signed")
-    gn = nn.GroupNorm(GROUPS, C)
+    ours = InPlaceAGN(groups, C, activation=activation, weight_mode="signed")
+    gn = nn.GroupNorm(groups, C)
     stock = nn.Sequential(gn, ACT[activation]())
 
     def run_ours():
@@ -54,12 +61,52 @@ def bench(shape, activation, channels_last, repeats):
     return t_ours - t_clone, t_stock
 
 
+def unet_layers():
+    """Counter of (shape, channels_last, groups, activation) over the InPlaceAGN calls of one
+    training forward of bench_unet.py's converted UNet."""
+    import bench_unet  # noqa: F401  (puts examples/ on the path)
+    from train_diffusion_unet import build_unet
+
+    torch.manual_seed(0)
+    model = inplace_abn.convert_model(build_unet())
+    seen = Counter()
+
+    def hook(mod, args):
+        x = args[0]
+        seen[(tuple(x.shape), _is_channels_last(x), mod.num_groups, mod.activation)] += 1
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, InPlaceAGN)]
+    model(torch.randn(8, 3, 64, 64), torch.randint(0, 1000, (8,)))
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def _is_channels_last(x):
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def main_unet(repeats):
+    print("| shape | layout | groups | activation | count | ours ms | stock ms | ours/stock |")
+    print("|---|---|---|---|---|---|---|---|")
+    total_ours = total_stock = 0.0
+    for (shape, cl, groups, activation), count in sorted(unet_layers().items(), key=lambda kv: -kv[1]):
+        t_ours, t_stock = bench(shape, activation, cl, repeats, groups)
+        total_ours += count * t_ours
+        total_stock += count * t_stock
+        print(f"| {'x'.join(map(str, shape))} | {'channels_last' if cl else 'contiguous'} | {groups} | {activation} | "
+              f"{count} | {t_ours * 1e3:.3f} | {t_stock * 1e3:.3f} | {t_ours / t_stock:.2f} |", flush=True)
+    print(f"count-weighted sum: ours {total_ours * 1e3:.2f} ms, stock {total_stock * 1e3:.2f} ms, "
+          f"ours/stock {total_ours / total_stock:.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default 20; 3 with --quick)")
     ap.add_argument("--quick", action="store_true",
                     help="two small shapes; without --repeats also 3 repeats (a smoke test)")
+    ap.add_argument("--unet", action="store_true", help="the GroupNorm + SiLU layers of bench_unet.py's UNet")
     args = ap.parse_args()
     kept = keep_freed_memory()
     torch.set_num_threads(args.threads)
@@ -68,8 +115,11 @@ def main():
     repeats = args.repeats if args.repeats is not None else 3 if args.quick else 20
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} "
-          f"threads, float32, {GROUPS} groups, backend={backend}, median of {repeats}, allocator: "
+          f"threads, float32, {'the model' + chr(39) + 's' if args.unet else GROUPS} groups, backend={backend}, "
+          f"median of {repeats}, allocator: "
           f"{'freed memory kept (mallopt)' if kept else 'system defaults'}")
+    if args.unet:
+        return main_unet(repeats)
     print("| shape | activation | layout | ours ms | stock ms | ours/stock |")
     print("|---|---|---|---|---|---|")
     for shape in shapes:

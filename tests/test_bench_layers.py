@@ -42,3 +42,13 @@ def test_gradient_check_refuses_the_partial_step():
         bench_cpu.check_same_grads(partial, stock, "partial step")
     full = torch.autograd.grad(layer(leaf.clone()), [leaf, layer.weight, layer.bias], dy)
     bench_cpu.check_same_grads(full, stock, "full step")
+
+
+def test_bench_groupnorm_unet_layers():
+    """--unet finds every GroupNorm + SiLU layer of bench_unet.py's converted UNet (45, as
+    convert_model reports), in both layouts."""
+    pytest.importorskip("diffusers")
+    layers = bench_groupnorm.unet_layers()
+    assert sum(layers.values()) == 45
+    assert {act for (_, _, _, act) in layers} == {"silu"} and {g for (_, _, g, _) in layers} == {8}
+    assert {cl for (_, cl, _, _) in layers} == {False, True}
