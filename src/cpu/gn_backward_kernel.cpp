@@ -1,7 +1,7 @@
 // gn_backward on the CPU (GroupNorm): the backward of one block at a time, in
 // one pass over memory: a (sample, group) of a contiguous y, a sample of a
 // channels-last one. zc = z - shift [- residual] and gz = dy f'(z) of the block
-// go to a per-thread buffer (blocks are L2-sized, see gn_backward_fits), its
+// go to a per-thread buffer (blocks are L2-sized: gn_backward_fits, src/ops/gn_backward.cpp), its
 // per-channel sums give the group means, and dx = a gz + b zc + c0 is computed
 // from the buffer: the activation is inverted once, and y and dy are read once.
 #include "cpu/kernel_utils.h"

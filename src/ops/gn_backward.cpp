@@ -1,7 +1,7 @@
 // inplace_abn::gn_backward: the backward of the GroupNorm layer from its output
 // (docs/DESIGN.md section 10): dx, dresidual and the per-channel sums over the
-// batch of gz and gz xhat. A contiguous y on the CPU whose (sample, group) blocks
-// fit the kernel's buffers takes one pass over memory
+// batch of gz and gz xhat. A CPU y whose blocks ((sample, group) when contiguous,
+// samples when channels-last) fit the kernel's buffers takes one pass over memory
 // (src/cpu/gn_backward_kernel.cpp); other shapes and devices run backward_reduce,
 // the group means and backward_input, which read y and dy twice.
 #include "ops/common.h"
@@ -11,6 +11,13 @@ namespace inplace_abn {
 
 KernelStub gn_backward_stub;
 
+namespace {
+
+// The kernel keeps two blocks of its compute type per thread: 2^16 elements are
+// 512 KB in float32, within L2.
+constexpr int64_t kGnBackwardMaxBlock = int64_t(1) << 16;
+
+// Whether the one-pass kernel serves y.
 bool gn_backward_fits(const at::Tensor& y, int64_t groups) {
   if (!y.is_cpu() || y.dim() < 3 || y.numel() == 0 || groups <= 0 || y.size(1) % groups) return false;
   const int64_t C = y.size(1), P = y.numel() / (y.size(0) * C);
@@ -19,8 +26,6 @@ bool gn_backward_fits(const at::Tensor& y, int64_t groups) {
   if (is_channels_last(y)) return C >= 16 && P * C <= kGnBackwardMaxBlock;
   return y.is_contiguous() && P >= 16 && (C / groups) * P <= kGnBackwardMaxBlock;
 }
-
-namespace {
 
 // Other shapes and devices: backward_reduce's (N, C) sums, their group means, then
 // backward_input (keeping z between the two where silu_keeps_z).

@@ -50,12 +50,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual, int64_t groups, double eps, int64_t activation,
     double activation_param, bool signed_weight, bool residual_grad);
-// Whether gn_backward takes its one-pass kernel: a CPU y whose blocks, (sample,
-// group) when contiguous, samples when channels-last, hold at most kGnBackwardMaxBlock
-// elements (the kernel keeps two blocks of its compute type per thread, 512 KB for
-// float32: within L2).
-constexpr int64_t kGnBackwardMaxBlock = int64_t(1) << 16;
-bool gn_backward_fits(const at::Tensor& y, int64_t groups);
 
 // The same front ends for a device's dispatch key.
 #define IABN_IMPL_ALL(m)                                      \
