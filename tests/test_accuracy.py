@@ -8,7 +8,7 @@ import torch
 
 from cases import LAYOUTS, PARAM, errors, floor, make_case, run
 from reference import ACTIVATIONS as REFERENCE_ACTIVATIONS
-from inplace_abn import functions
+from inplace_abn import HAS_NATIVE, functions
 from inplace_abn._activation import is_invertible
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -303,3 +303,33 @@ def test_extreme_preactivations(backend, activation, layout, dtype):
         assert not bad.any(), f"{name} at z = {zz[bad][:4].tolist()}: {ours[bad][:4].tolist()} vs {ref[bad][:4].tolist()}"
     db_ref = zr.grad.sum(dim=[d for d in range(len(shape)) if d != 1])
     assert torch.allclose(bias.grad.double(), db_ref, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=gtol * n)
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="tests the native kernels' stores")
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shape,fmt", [((3, 5, 7, 9), "contiguous"), ((2, 40, 3, 5), "channels_last"),
+                                       ((37, 24), "contiguous"), ((2, 3, 64), "contiguous")])
+def test_half_precision_stores_round_like_torch(dtype, shape, fmt):
+    """The kernels' half-precision stores (a float32 vector converted and stored
+    whole, or a tail through a buffer) round exactly as torch's float32 -> dtype
+    cast, infinities included (a NaN stays a NaN; at::vec and torch's scalar
+    cast write different NaN payloads): forward_ with the identity, unit scale,
+    zero shift and a residual computes y = dtype(float32(x) + float32(r)), one
+    float32 add, which torch reproduces bit for bit."""
+    ops = torch.ops.inplace_abn
+    g = torch.Generator().manual_seed(7)
+    mf = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
+    # wide exponents, so that x + r needs rounding (ties and overflow included)
+    x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())).to(dtype)
+    r = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())).to(dtype)
+    flat = x.view(-1)
+    flat[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), torch.finfo(dtype).max], dtype=dtype)
+    r.view(-1)[3] = torch.finfo(dtype).max  # max + max overflows to inf in the store
+    x, r = x.contiguous(memory_format=mf), r.contiguous(memory_format=mf)
+    expected = (x.float() + r.float()).to(dtype)
+    C = shape[1]
+    y = x.clone()
+    ops.forward_(y, torch.zeros(C), torch.ones(C), torch.ones(C), torch.zeros(C), r, 0.0, 0, 0.0, True, None, 0)
+    nan = expected.isnan()
+    assert torch.equal(y.isnan(), nan) and nan.any()
+    assert torch.equal(y.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])

@@ -393,7 +393,21 @@ struct IOReduced {
     std::memcpy(buf, p, n * sizeof(H));
     return load(buf);
   }
-  static void store(H* p, const V& v) { at::vec::convert_from_float<H>(v, v).store(p, W); }
+  // A full vector: one float vector converted to W halves and stored whole, with
+  // at::vec's own rounding (bitwise the same as convert_from_float). The generic
+  // path converts two vectors and stores W of 2W lanes through a stack buffer and
+  // memcpy: bfloat16 forward_ SiLU 16x64x56x56 took 5x float32's time with it.
+  static void store(H* p, const V& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i h = std::is_same_v<H, at::BFloat16> ? at::vec::cvtfp32_bf16(v) : at::vec::cvtfp32_fp16(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i h = std::is_same_v<H, at::BFloat16> ? at::vec::cvtfp32_bf16(v) : at::vec::cvtfp32_fp16(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+#else
+    at::vec::convert_from_float<H>(v, v).store(p, W);
+#endif
+  }
   static void store(H* p, const V& v, int64_t n) { at::vec::convert_from_float<H>(v, v).store(p, n); }
 };
 template <typename S>
