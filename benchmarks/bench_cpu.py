@@ -22,7 +22,7 @@ jemalloc/tcmalloc, which CPU training setups commonly preload), for all three
 measurements alike; --system-malloc keeps glibc's defaults and prints the
 page faults per step.
 
-    python benchmarks/bench_cpu.py [--threads 2] [--repeats 20] [--quick] [--system-malloc]
+    python benchmarks/bench_cpu.py [--threads 2] [--repeats 20] [--quick] [--system-malloc] [--dtype bfloat16]
                                    [--shapes 16x64x56x56,...]
 
 --compare OLD_ROOT times "ours" for this checkout's build against another
@@ -165,14 +165,14 @@ def compare(args):
         for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
             env = dict(os.environ, PYTHONPATH=roots[name], INPLACE_ABN_BACKEND="native")
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(args.threads),
-                   "--repeats", str(args.repeats)] + (["--quick"] if args.quick else []) + (
+                   "--repeats", str(args.repeats), "--dtype", args.dtype] + (["--quick"] if args.quick else []) + (
                 ["--shapes", args.shapes] if args.shapes else [])
             out = subprocess.run(cmd, env=env, cwd=roots[name], check=True, capture_output=True, text=True).stdout
             res = json.loads(out.strip().splitlines()[-1])
             assert res["file"].startswith(roots[name]), res["file"]
             times[name].append(res["ours"])
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
-          f"float32, ours (forward + backward) ms: median over {args.rounds} interleaved rounds of {args.repeats} steps")
+          f"{args.dtype}, ours (forward + backward) ms: median over {args.rounds} interleaved rounds of {args.repeats} steps")
     print("| shape | activation | layout | new ms | old ms | new/old |")
     print("|---|---|---|---|---|---|")
     for k, (shape, activation, cl) in enumerate(cases(args.quick, args.shapes)):
@@ -195,26 +195,29 @@ def main():
     ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
     ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
     ap.add_argument("--shapes", help="these shapes instead of the default ones, e.g. 16x64x56x56,8x128x16x16")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="the layers' dtype (stock runs in it too)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats is None:
         args.repeats = 3 if args.quick else 20
     kept = False if args.system_malloc else keep_freed_memory()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     if args.compare:
         return compare(args)
     if args.worker:
-        ours = [bench(shape, act, cl, args.repeats, ours_only=True)
+        ours = [bench(shape, act, cl, args.repeats, dtype, ours_only=True)
                 for shape, act, cl in cases(args.quick, args.shapes)]
         print(json.dumps({"file": inplace_abn.__file__, "ours": ours}))
         return
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, float32, backend={backend}, median of {args.repeats}, "
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, {args.dtype}, backend={backend}, median of {args.repeats}, "
           f"allocator: {'freed memory kept (mallopt)' if kept else 'system defaults'}")
     print("| shape | activation | layout | ours ms | stock ms | 4-clone ms | ours/floor | ours/stock | faults/step ours, stock |")
     print("|---|---|---|---|---|---|---|---|---|")
     for shape, activation, cl in cases(args.quick, args.shapes):
-        t_ours, t_stock, t_floor, f_ours, f_stock = bench(shape, activation, cl, args.repeats)
+        t_ours, t_stock, t_floor, f_ours, f_stock = bench(shape, activation, cl, args.repeats, dtype)
         layout = "channels_last" if cl else "contiguous"
         print(f"| {'x'.join(map(str, shape))} | {activation} | {layout} | {t_ours * 1e3:.2f} | "
               f"{t_stock * 1e3:.2f} | {t_floor * 1e3:.2f} | {t_ours / t_floor:.2f} | {t_ours / t_stock:.2f} | "
