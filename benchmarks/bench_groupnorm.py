@@ -10,7 +10,7 @@ the variants taking turns (bench_cpu._interleaved):
           in bench_cpu.py, and checked against stock's before timing)
   stock : nn.GroupNorm + activation (eager), the same gradients
 
-    python benchmarks/bench_groupnorm.py [--threads 2] [--repeats 20] [--quick]
+    python benchmarks/bench_groupnorm.py [--threads 2] [--repeats 20] [--quick] [--dtype bfloat16]
     python benchmarks/bench_groupnorm.py --unet [--repeats 20]
 
 --unet: instead, the GroupNorm + SiLU layers of bench_unet.py's converted UNet
@@ -35,14 +35,14 @@ ACT = {"silu": nn.SiLU, "leaky_relu": lambda: nn.LeakyReLU(0.01)}
 GROUPS = 32
 
 
-def bench(shape, activation, channels_last, repeats, groups=GROUPS):
+def bench(shape, activation, channels_last, repeats, groups=GROUPS, dtype=torch.float32):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     C = shape[1]
-    src = torch.randn(shape).contiguous(memory_format=fmt)
-    dy = torch.randn(shape).contiguous(memory_format=fmt)
+    src = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
+    dy = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
     leaf = src.clone().requires_grad_()
-    ours = InPlaceAGN(groups, C, activation=activation, weight_mode="signed")
-    gn = nn.GroupNorm(groups, C)
+    ours = InPlaceAGN(groups, C, activation=activation, weight_mode="signed").to(dtype)
+    gn = nn.GroupNorm(groups, C).to(dtype)
     stock = nn.Sequential(gn, ACT[activation]())
 
     def run_ours():
@@ -86,12 +86,12 @@ def _is_channels_last(x):
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-def main_unet(repeats):
+def main_unet(repeats, dtype):
     print("| shape | layout | groups | activation | count | ours ms | stock ms | ours/stock |")
     print("|---|---|---|---|---|---|---|---|")
     total_ours = total_stock = 0.0
     for (shape, cl, groups, activation), count in sorted(unet_layers().items(), key=lambda kv: -kv[1]):
-        t_ours, t_stock = bench(shape, activation, cl, repeats, groups)
+        t_ours, t_stock = bench(shape, activation, cl, repeats, groups, dtype)
         total_ours += count * t_ours
         total_stock += count * t_stock
         print(f"| {'x'.join(map(str, shape))} | {'channels_last' if cl else 'contiguous'} | {groups} | {activation} | "
@@ -107,25 +107,28 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="two small shapes; without --repeats also 3 repeats (a smoke test)")
     ap.add_argument("--unet", action="store_true", help="the GroupNorm + SiLU layers of bench_unet.py's UNet")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="the layers' dtype (stock runs in it too)")
     args = ap.parse_args()
     kept = keep_freed_memory()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     shapes = ([(2, 64, 8, 8), (2, 32, 16, 16)] if args.quick else
               [(8, 64, 64, 64), (8, 128, 32, 32), (8, 256, 16, 16), (8, 512, 8, 8)])
     repeats = args.repeats if args.repeats is not None else 3 if args.quick else 20
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} "
-          f"threads, float32, {'the model' + chr(39) + 's' if args.unet else GROUPS} groups, backend={backend}, "
+          f"threads, {args.dtype}, {'the model' + chr(39) + 's' if args.unet else GROUPS} groups, backend={backend}, "
           f"median of {repeats}, allocator: "
           f"{'freed memory kept (mallopt)' if kept else 'system defaults'}")
     if args.unet:
-        return main_unet(repeats)
+        return main_unet(repeats, dtype)
     print("| shape | activation | layout | ours ms | stock ms | ours/stock |")
     print("|---|---|---|---|---|---|")
     for shape in shapes:
         for activation in ("silu", "leaky_relu"):
             for cl in (False, True):
-                t_ours, t_stock = bench(shape, activation, cl, repeats)
+                t_ours, t_stock = bench(shape, activation, cl, repeats, dtype=dtype)
                 layout = "channels_last" if cl else "contiguous"
                 print(f"| {'x'.join(map(str, shape))} | {activation} | {layout} | {t_ours * 1e3:.2f} | "
                       f"{t_stock * 1e3:.2f} | {t_ours / t_stock:.2f} |", flush=True)
