@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import inplace_abn  # noqa: E402
 from bench_cpu import _interleaved, check_same_grads, keep_freed_memory  # noqa: E402
 from inplace_abn import InPlaceAGN  # noqa: E402
+from inplace_abn._pure import is_channels_last  # noqa: E402
 
 ACT = {"silu": nn.SiLU, "leaky_relu": lambda: nn.LeakyReLU(0.01)}
 GROUPS = 32
@@ -73,17 +74,13 @@ def unet_layers():
 
     def hook(mod, args):
         x = args[0]
-        seen[(tuple(x.shape), _is_channels_last(x), mod.num_groups, mod.activation)] += 1
+        seen[(tuple(x.shape), is_channels_last(x), mod.num_groups, mod.activation)] += 1
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, InPlaceAGN)]
     model(torch.randn(8, 3, 64, 64), torch.randint(0, 1000, (8,)))
     for h in handles:
         h.remove()
     return seen
-
-
-def _is_channels_last(x):
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def main_unet(repeats, dtype):
