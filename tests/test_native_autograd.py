@@ -168,3 +168,33 @@ def test_cpp_path_with_absent_optional_tensors(weight, bias, stats, monkeypatch)
     for k in needs:
         assert ours[1][k] is not None, k
         torch.testing.assert_close(ours[1][k], ref[1][k], rtol=0, atol=0, msg=f"gradient of {k}")
+
+
+def test_operators_refuse_inputs_that_require_grad():
+    """The operators have no derivative (src/ops/autograd.cpp, NoGrad): the layers call them
+    with grad mode off. A direct call that autograd would record raises instead of returning
+    outputs whose gradients would silently be missing; under no_grad it runs and gives what
+    the same call on detached inputs gives."""
+    ops = torch.ops.inplace_abn
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    w = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
+    mean, var = ops.batch_stats(x)
+    calls = {
+        "batch_stats": lambda x, w: ops.batch_stats(x),
+        "forward_": lambda x, w: ops.forward_(x.clone(), mean, var, w, None, None, 1e-5, 1, 0.1, False),
+        "weight_grad": lambda x, w: ops.weight_grad(x[0, :, 0], w, False),
+    }
+    for name, call in calls.items():
+        xg = x.clone().requires_grad_(name == "batch_stats")
+        with pytest.raises(RuntimeError, match=f"inplace_abn::{name} has no derivative, and an input requires grad"):
+            call(xg, w)
+        with torch.no_grad():
+            got = call(xg, w)
+        want = call(x, w.detach())
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # every operator but the two layers has this kernel (PyTorch's boxed fallback would
+    # only warn, and only once a backward reaches the outputs)
+    for name in ("batch_stats", "forward_", "backward_reduce", "backward_input", "backward_input_from_z_",
+                 "weight_grad", "gn_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{name}", "Autograd"), name

@@ -243,11 +243,50 @@ at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptT
                                    activation, activation_param, signed_weight, relu, num_batches_tracked);
 }
 
+bool wants_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool wants_grad(const OptTensor& t) { return t.has_value() && wants_grad(*t); }
+template <class T>
+bool wants_grad(const T&) {
+  return false;
+}
+
+// The Autograd kernel of an operator without a derivative (all but the two
+// layers): the layers call them with grad mode off. Gradients through a direct
+// call with grad mode on would be missing, so that raises. Without this kernel
+// each call took PyTorch's boxed fallback for operators without autograd (box
+// the arguments, inspect them, redispatch, unbox): ~1.7 us of a 2x32x7x7
+// layer's 49 us training step (docs/DESIGN.md section 7.3).
+template <class Sig>
+struct NoGrad;
+template <class R, class... A>
+struct NoGrad<R(A...)> {
+  template <c10::TypedOperatorHandle<R(A...)> Ops::*H>
+  static R call(c10::DispatchKeySet ks, A... a) {
+    const auto& op = ops().*H;
+    TORCH_CHECK(!at::GradMode::is_enabled() || !(wants_grad(a) || ...), op.schema().name(),
+                " has no derivative, and an input requires grad: call it under torch.no_grad(), or use the layers "
+                "(inplace_abn.InPlaceABN, inplace_abn.functions.inplace_abn), which differentiate it");
+    const at::AutoDispatchBelowADInplaceOrView guard;  // (its internal ops skip autograd too)
+    return op.redispatch(ks & c10::after_ADInplaceOrView_keyset, a...);
+  }
+};
+#define IABN_NO_GRAD(name, member) m.impl(#name, TORCH_FN(NoGrad<decltype(name)>::call<&Ops::member>))
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(inplace_abn, CompositeImplicitAutograd, m) {
   m.impl("inplace_abn_", &inplace_abn_);
   m.impl("inplace_agn_", &inplace_agn_);
+}
+
+TORCH_LIBRARY_IMPL(inplace_abn, Autograd, m) {
+  IABN_NO_GRAD(batch_stats, stats);
+  IABN_NO_GRAD(forward_, fwd);
+  IABN_NO_GRAD(backward_reduce, reduce);
+  IABN_NO_GRAD(backward_input, input);
+  IABN_NO_GRAD(backward_input_from_z_, input_z);
+  IABN_NO_GRAD(weight_grad, wgrad);
+  IABN_NO_GRAD(gn_backward, gn);
 }
 
 }  // namespace inplace_abn
