@@ -448,17 +448,16 @@ inline void walk(const Walk& g, int64_t R, int64_t e0, int64_t e1, const Fn& fn)
   }
 }
 
-// A per-channel vector spread over the super-row (position r holds channel
-// (r / S) % C), padded with one vector of zeros so that a partial vector at
-// the end of a segment can be loaded whole.
+// A per-channel vector spread over the super-row into out[0, R) (position r
+// holds channel (r / S) % C), followed by one vector of zeros so that a
+// partial vector at the end of a segment can be loaded whole.
 template <typename F>
-std::vector<F> expand(const F* src, const Walk& g, int64_t R) {
-  std::vector<F> out(R + Vectorized<F>::size(), F(0));
-  F* o = out.data();
+void expand(const F* src, const Walk& g, int64_t R, F* out) {
+  F* o = out;
   for (int64_t k = 0; k < R / (g.C * g.inner); ++k)
     for (int64_t c = 0; c < g.C; ++c)
       for (int64_t s = 0; s < g.inner; ++s) *o++ = src[c];
-  return out;
+  std::fill(o, o + Vectorized<F>::size(), F(0));
 }
 
 // Per-channel coefficient source for one segment: broadcast scalars (planar)
@@ -476,9 +475,9 @@ struct Coef {
       return bc[k];
   }
   // key: the channel (planar) or the offset in the super-row (rows)
-  void set(int k, const F* per_channel, const std::vector<F>& expanded, int64_t key) {
+  void set(int k, const F* per_channel, const F* expanded, int64_t key) {
     if constexpr (ROWS)
-      arr[k] = expanded.data() + key;
+      arr[k] = expanded + key;
     else
       bc[k] = V(per_channel[key]);
   }
@@ -487,7 +486,7 @@ struct Coef {
 // Runs body(co) with the coefficients of the segment at `key` set up from
 // the per-channel arrays src[k] (planar) or their expansions exp[k] (rows).
 template <typename F, int K, class Body>
-inline void with_coef(bool rows, int64_t key, const F* const* src, const std::vector<F>* exp, const Body& body) {
+inline void with_coef(bool rows, int64_t key, const F* const* src, const F* const* exp, const Body& body) {
   if (rows) {
     Coef<F, K, true> co;
     for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], key);
@@ -514,18 +513,33 @@ inline const F* coef_row(const KernelArgs& a, int k) {
   return a.coef.const_data_ptr<F>() + k * a.g.C;
 }
 
-// The K rows of the coefficient table, as per-channel arrays (src) and, for
-// rows, spread over the super-row of length R (exp).
+// K per-channel arrays (src) and, for rows, their expansions over the
+// super-row of length R (exp), in one allocation without a zero pass: small
+// layers build several per step, where separate zeroed vectors cost about
+// 1 us of malloc and memset per step (2x32x7x7, perf).
 template <typename F, int K>
 struct CoefRows {
   const F* src[K];
-  std::vector<F> exp[K];
+  const F* exp[K] = {};
+  std::unique_ptr<F[]> mem;
   int64_t R;
-  CoefRows(const KernelArgs& a, const Walk& g) : R(g.rows ? super_row(g) : 0) {
+  CoefRows(const F* const* rows, const Walk& g) : R(g.rows ? super_row(g) : 0) {
+    const int64_t stride = R + Vectorized<F>::size();
+    if (g.rows) mem.reset(new F[K * stride]);
     for (int k = 0; k < K; ++k) {
-      src[k] = coef_row<F>(a, k);
-      if (g.rows) exp[k] = expand(src[k], g, R);
+      src[k] = rows[k];
+      if (g.rows) expand(src[k], g, R, mem.get() + k * stride);
+      exp[k] = g.rows ? mem.get() + k * stride : nullptr;
     }
+  }
+  // the K rows of the kernel's coefficient table
+  CoefRows(const KernelArgs& a, const Walk& g) : CoefRows(table_rows(a).data(), g) {}
+
+ private:
+  static std::array<const F*, K> table_rows(const KernelArgs& a) {
+    std::array<const F*, K> r;
+    for (int k = 0; k < K; ++k) r[k] = coef_row<F>(a, k);
+    return r;
   }
 };
 
@@ -672,7 +686,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     const int64_t planes = g.numel / S;
     const int64_t units = planes * parts;
     std::vector<double> buf(2 * units);
-    std::vector<F> noexp[K];
+    const F* const noexp[K] = {};
     const int64_t grain = std::max<int64_t>(1, block / std::min(S, part));
     at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
       const Elem el = elem;  // a local copy stays in registers (see for_each_vector's callers)
@@ -733,8 +747,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         }
   } else {
     const int64_t R = super_row(g);
-    std::vector<F> exp[K];
-    for (int k = 0; k < K; ++k) exp[k] = expand(src[k], g, R);
+    const CoefRows<F, K> cr(src, g);
     const int64_t nsr = (g.numel + R - 1) / R;
     // super-rows per unit: about `block` elements, and at least 4 super-rows
     // when these are long, so that clearing and folding the accumulators
@@ -774,7 +787,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         }
       };
       Coef<F, K, true> co;  // every super-row starts at offset 0 of the pattern
-      for (int k = 0; k < K; ++k) co.set(k, src[k], exp[k], 0);
+      for (int k = 0; k < K; ++k) co.set(k, src[k], cr.exp[k], 0);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * br, r1 = std::min(nsr, (u + 1) * br);
         for (int64_t r = r0; r < r1; ++r) {
