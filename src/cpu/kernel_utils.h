@@ -760,7 +760,10 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     // accumulator per element would cost four loads and four stores per float
     // vector, which bound the loop on the store port. Same rounding class as
     // the planar pairs (a handful of compute-type additions, then double).
-    constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 4 : int64_t(1) << 40;
+    // Eight rather than four: each flush stores three vectors per sum, and
+    // halving them made 16x512x7x7 layers 0.85-0.96x as long (bench_cpu.py
+    // --compare, both ISAs; 4096x512 0.93-1.0x).
+    constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 8 : int64_t(1) << 40;
     // padded accumulator length, a whole number of cache lines
     const int64_t RP = (R + W + 15) / 16 * 16;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
