@@ -1,6 +1,7 @@
 // The inplace_abn operator library: its schemas, declared once for every device, and the CPU registration of the front ends (the CUDA
-// build adds src/cuda/register.cpp). Fake kernels and autograd live in Python
-// (inplace_abn/_backend.py, inplace_abn/functions.py). docs/DESIGN.md section 7.
+// build adds src/cuda/register.cpp). Fake kernels live in Python (inplace_abn/_backend.py);
+// autograd in src/ops/autograd.cpp (the layers, and the operators' refusing kernels)
+// and inplace_abn/functions.py. docs/DESIGN.md section 7.
 #include <Python.h>
 #include <torch/library.h>
 
