@@ -172,9 +172,9 @@ def test_cpp_path_with_absent_optional_tensors(weight, bias, stats, monkeypatch)
 
 def test_operators_refuse_inputs_that_require_grad():
     """The operators have no derivative (src/ops/autograd.cpp, NoGrad): the layers call them
-    with grad mode off. A direct call that autograd would record raises instead of returning
-    outputs whose gradients would silently be missing; under no_grad it runs and gives what
-    the same call on detached inputs gives."""
+    with grad mode off. A direct call that autograd would record (an input requiring grad, or
+    a forward-mode tangent) raises instead of returning outputs whose gradients would silently
+    be missing; under no_grad it runs and gives what the same call on detached inputs gives."""
     ops = torch.ops.inplace_abn
     x = torch.randn(4, 3, 5, dtype=torch.float64)
     w = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
@@ -193,6 +193,12 @@ def test_operators_refuse_inputs_that_require_grad():
         want = call(x, w.detach())
         for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # forward AD: a tangent would be dropped as silently
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.clone(), torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="inplace_abn::batch_stats has no derivative.*forward-mode tangent"):
+            ops.batch_stats(dual)
     # every operator but the two layers has this kernel (PyTorch's boxed fallback would
     # only warn, and only once a backward reaches the outputs)
     for name in ("batch_stats", "forward_", "backward_reduce", "backward_input", "backward_input_from_z_",

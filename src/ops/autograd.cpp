@@ -247,19 +247,24 @@ at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptT
                                    activation, activation_param, signed_weight, relu, num_batches_tracked);
 }
 
-bool wants_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
-bool wants_grad(const OptTensor& t) { return t.has_value() && wants_grad(*t); }
+// What autograd would have to differentiate: an input requiring grad (with grad
+// mode on) or carrying a forward-mode tangent (level 0, as PyTorch's fallback checks).
+bool needs_grad(const at::Tensor& t, bool grad_mode) {
+  return t.defined() && ((grad_mode && t.requires_grad()) || t._fw_grad(0).defined());
+}
+bool needs_grad(const OptTensor& t, bool grad_mode) { return t.has_value() && needs_grad(*t, grad_mode); }
 template <class T>
-bool wants_grad(const T&) {
+bool needs_grad(const T&, bool) {
   return false;
 }
 
 // The Autograd kernel of an operator without a derivative (all but the two
 // layers): the layers call them with grad mode off. Gradients through a direct
-// call with grad mode on would be missing, so that raises. Without this kernel
-// each call took PyTorch's boxed fallback for operators without autograd (box
-// the arguments, inspect them, redispatch, unbox): ~1.7 us of a 2x32x7x7
-// layer's 49 us training step (docs/DESIGN.md section 7.3).
+// call with grad mode on (or tangents through one under forward AD) would be
+// missing, so that raises. Without this kernel each call took PyTorch's boxed
+// fallback for operators without autograd (box the arguments, inspect them,
+// redispatch, unbox): ~1.7 us of a 2x32x7x7 layer's 49 us training step
+// (docs/DESIGN.md section 7.3).
 template <class Sig>
 struct NoGrad;
 template <class R, class... A>
@@ -267,9 +272,11 @@ struct NoGrad<R(A...)> {
   template <c10::TypedOperatorHandle<R(A...)> Ops::*H>
   static R call(c10::DispatchKeySet ks, A... a) {
     const auto& op = ops().*H;
-    TORCH_CHECK(!at::GradMode::is_enabled() || !(wants_grad(a) || ...), op.schema().name(),
-                " has no derivative, and an input requires grad: call it under torch.no_grad(), or use the layers "
-                "(inplace_abn.InPlaceABN, inplace_abn.functions.inplace_abn), which differentiate it");
+    const bool grad_mode = at::GradMode::is_enabled();
+    TORCH_CHECK(!(needs_grad(a, grad_mode) || ...), op.schema().name(),
+                " has no derivative, and an input requires grad or carries a forward-mode tangent: call it under "
+                "torch.no_grad() and outside forward AD, or use the layers (inplace_abn.InPlaceABN, "
+                "inplace_abn.functions.inplace_abn), which differentiate it");
     const at::AutoDispatchBelowADInplaceOrView guard;  // (its internal ops skip autograd too)
     return op.redispatch(ks & c10::after_ADInplaceOrView_keyset, a...);
   }
