@@ -183,6 +183,12 @@ def compare(args):
               f"{new / old:.3f} |")
 
 
+def add_dtype_arg(ap):
+    """--dtype: the layers' dtype (stock runs in it too); this script's and bench_groupnorm.py's."""
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="the layers' dtype (stock runs in it too)")
+
+
 def main():
     # a relu layer saves no memory and warns so once; here it is timed all the same
     warnings.filterwarnings("ignore", message="In-place ABN with relu", category=RuntimeWarning)
@@ -195,8 +201,7 @@ def main():
     ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
     ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
     ap.add_argument("--shapes", help="these shapes instead of the default ones, e.g. 16x64x56x56,8x128x16x16")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
-                    help="the layers' dtype (stock runs in it too)")
+    add_dtype_arg(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats is None:

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import inplace_abn  # noqa: E402
-from bench_cpu import _interleaved, check_same_grads, keep_freed_memory  # noqa: E402
+from bench_cpu import _interleaved, add_dtype_arg, check_same_grads, keep_freed_memory  # noqa: E402
 from inplace_abn import InPlaceAGN  # noqa: E402
 from inplace_abn._pure import is_channels_last  # noqa: E402
 
@@ -104,8 +104,7 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="two small shapes; without --repeats also 3 repeats (a smoke test)")
     ap.add_argument("--unet", action="store_true", help="the GroupNorm + SiLU layers of bench_unet.py's UNet")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
-                    help="the layers' dtype (stock runs in it too)")
+    add_dtype_arg(ap)
     args = ap.parse_args()
     kept = keep_freed_memory()
     torch.set_num_threads(args.threads)

@@ -523,24 +523,20 @@ struct CoefRows {
   const F* exp[K] = {};
   std::unique_ptr<F[]> mem;
   int64_t R;
-  CoefRows(const F* const* rows, const Walk& g) : R(g.rows ? super_row(g) : 0) {
-    const int64_t stride = R + Vectorized<F>::size();
-    if (g.rows) mem.reset(new F[K * stride]);
+  // rows k = 0..K-1 of a table at first + k * stride
+  CoefRows(const F* first, int64_t stride, const Walk& g) : R(g.rows ? super_row(g) : 0) {
+    for (int k = 0; k < K; ++k) src[k] = first + k * stride;
+    if (!g.rows) return;
+    const int64_t len = R + Vectorized<F>::size();
+    mem.reset(new F[K * len]);
     for (int k = 0; k < K; ++k) {
-      src[k] = rows[k];
-      if (g.rows) expand(src[k], g, R, mem.get() + k * stride);
-      exp[k] = g.rows ? mem.get() + k * stride : nullptr;
+      F* e = mem.get() + k * len;
+      expand(src[k], g, R, e);
+      exp[k] = e;
     }
   }
   // the K rows of the kernel's coefficient table
-  CoefRows(const KernelArgs& a, const Walk& g) : CoefRows(table_rows(a).data(), g) {}
-
- private:
-  static std::array<const F*, K> table_rows(const KernelArgs& a) {
-    std::array<const F*, K> r;
-    for (int k = 0; k < K; ++k) r[k] = coef_row<F>(a, k);
-    return r;
-  }
+  CoefRows(const KernelArgs& a, const Walk& g) : CoefRows(coef_row<F>(a, 0), a.g.C, g) {}
 };
 
 // Runs step(i, j, cnt, full, co) for the vectors of [e0, e1): i the flat
@@ -747,7 +743,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         }
   } else {
     const int64_t R = super_row(g);
-    const CoefRows<F, K> cr(src, g);
+    const CoefRows<F, K> cr(coef, 0, g);
     const int64_t nsr = (g.numel + R - 1) / R;
     // super-rows per unit: about `block` elements, and at least 4 super-rows
     // when these are long, so that clearing and folding the accumulators
@@ -761,8 +757,8 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     // vector, which bound the loop on the store port. Same rounding class as
     // the planar pairs (a handful of compute-type additions, then double).
     // Eight rather than four: each flush stores three vectors per sum, and
-    // halving them made 16x512x7x7 layers 0.85-0.96x as long (bench_cpu.py
-    // --compare, both ISAs; 4096x512 0.93-1.0x).
+    // halving them made 16x512x7x7 layers 0.85-0.96x as long on AVX512 and
+    // 0.85-1.03x on AVX2 (bench_cpu.py --compare; 4096x512 0.93-1.0x).
     constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 8 : int64_t(1) << 40;
     // padded accumulator length, a whole number of cache lines
     const int64_t RP = (R + W + 15) / 16 * 16;
@@ -790,7 +786,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         }
       };
       Coef<F, K, true> co;  // every super-row starts at offset 0 of the pattern
-      for (int k = 0; k < K; ++k) co.set(k, src[k], cr.exp[k], 0);
+      for (int k = 0; k < K; ++k) co.set(k, cr.src[k], cr.exp[k], 0);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * br, r1 = std::min(nsr, (u + 1) * br);
         for (int64_t r = r0; r < r1; ++r) {
