@@ -102,7 +102,9 @@ struct IsSingle {
 //   forward(z, p)            -> y = f(z)
 //   inverse_deriv(y, left, p, d) -> z = f^-1(y), and d = f'(z) (one call for
 //                               the backward kernels, sharing the work);
-//                               `left` is the SiLU branch bit as 0/1
+//                               `left` is the SiLU branch flag: 0, or set
+//                               (1, or all bits set where a vector
+//                               policy says so: only selects read it)
 //   inverse(y, left, p), deriv(y, z, p): the two parts, where they are separate
 // `p` is the activation parameter (slope, alpha; unused otherwise).
 template <Act A, class M>
@@ -285,7 +287,7 @@ struct Activation<Act::Silu, M> {
     if constexpr (M::kSiluTable) {
       T h;
       const T y = M::max(y_in, M::c(kSiluYStar));
-      const T outside = M::silu_table(y, left, h);  // 0/1 per lane
+      const T outside = M::silu_table(y, left, h);  // a flag per lane
       const T z = y * h;
       dfdz = M::fma(z, h - M::c(1.0), h) * M::rcp(h * h);
       if (!M::any(outside)) return z;
