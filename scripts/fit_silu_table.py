@@ -13,12 +13,15 @@ crosses 0. Right branch: y in [y*, 8]; left: y in [y*, -0.1]. Outside, the
 kernel falls back to the Halley inverse lane by lane. Two tables, one per ISA,
 each sized for the permute that picks a lane's coefficients:
   AVX512: 8 segments a branch, degree 9 (16 entries: one vpermps of a zmm);
-  AVX2:   4 segments a branch, degree 13 (8 entries: one vpermps of a ymm).
+  AVX2:   4 segments a branch, degree 12 (8 entries: one vpermps of a ymm).
 
-The fit is least squares on Chebyshev points against a float64 bisection of
-f(z) = z sigmoid(z), using the float32 scale the kernel multiplies by (so the
-segment variable is the one the kernel computes). It prints the worst relative
-error of h on each branch; the coefficients are rounded to float32.
+The fit is least squares in the relative error of h on Chebyshev points
+against a float64 bisection of f(z) = z sigmoid(z), using the float32 scale
+the kernel multiplies by (so the segment variable is the one the kernel
+computes). The coefficients are rounded to float32 one at a time from c_0,
+the higher ones refitted after each rounding. It prints the worst relative
+error of h on each branch, of the float64 fit and with the float32
+coefficients.
 
     python scripts/fit_silu_table.py > src/cpu/silu_table.h
 """
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from inplace_abn._pure import SILU_YSTAR as Y_STAR  # noqa: E402
 from inplace_abn._pure import SILU_ZSTAR as Z_STAR  # noqa: E402
 
-TABLES = {"Avx512": (8, 9), "Avx2": (4, 13)}  # name: (segments a branch, degree)
+TABLES = {"Avx512": (8, 9), "Avx2": (4, 12)}  # name: (segments a branch, degree)
 Y_RIGHT_MAX = 8.0  # right branch beyond: z - y = y e^-z < 3e-3
 Y_LEFT_MAX = -0.1  # left branch beyond: the log tail of the Halley guess
 f64 = torch.float64
@@ -66,10 +69,18 @@ def fit_branch(left, segments, degree):
         z = torch.where(d > 0, inverse(y, left), torch.tensor(Z_STAR, dtype=f64))
         h = 1 + torch.exp(-z)
         vander = u.unsqueeze(1) ** torch.arange(degree + 1, dtype=f64)
-        c = torch.linalg.lstsq(vander, h.unsqueeze(1)).solution.squeeze(1)
+        # least squares in the relative error of h
+        rel, one = vander / h.unsqueeze(1), torch.ones_like(h)
+        c = torch.linalg.lstsq(rel, one.unsqueeze(1)).solution.squeeze(1)
         fit = max(fit, float(((vander @ c - h) / h).abs().max()))
-        # (float32 rounding of c_0 is half an ulp of h at u = 0, as storing h would be)
-        c32 = c.to(torch.float32).to(f64)
+        # float32 coefficients one at a time from c_0, each rounded, then the
+        # higher ones refitted to what the rounding left: the error stays at
+        # the rounding of c_0 (half an ulp of h at u = 0, as storing h would be)
+        c32 = torch.zeros(degree + 1, dtype=f64)
+        for j in range(degree + 1):
+            left_over = one - rel[:, :j] @ c32[:j]
+            cj = torch.linalg.lstsq(rel[:, j:], left_over.unsqueeze(1)).solution[0, 0]
+            c32[j] = float(torch.tensor(float(cj), dtype=torch.float32))
         worst = max(worst, float(((vander @ c32 - h) / h).abs().max()))
         coefs.append(c32)
     return scale, torch.stack(coefs), fit, worst
