@@ -140,7 +140,7 @@ def _register_fakes():
 
     @torch.library.register_fake("inplace_abn::forward_")
     def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
-          groups=0):
+          groups=0, source=None):
         # channels-last GroupNorm: the samples' masks, whole words each
         parts = x.shape[0] if groups and _pure.is_channels_last(x) and x.shape[0] else 1
         words = parts * ((x.numel() // parts + 31) // 32) if activation == 3 else 0

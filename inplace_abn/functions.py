@@ -153,10 +153,10 @@ def _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b, weight_g
     return dweight, dbias
 
 
-def _check_common(op, x, residual, eps, activation, activation_param, weight_mode, **per_channel):
+def _check_common(op, x, residual, eps, activation, activation_param, weight_mode, writes_x=True, **per_channel):
     """The checks every in-place layer makes, before anything is written:
     input, activation, weight mode, eps, the (C,) tensors ``per_channel``, the
-    residual, forward-mode tangents and whether x may be overwritten."""
+    residual, forward-mode tangents and (``writes_x``) whether x may be overwritten."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -195,7 +195,8 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
     requires_grad = x.requires_grad or (residual is not None and residual.requires_grad)
     for t in per_channel.values():
         requires_grad = requires_grad or (t is not None and t.requires_grad)
-    _check_writable(x, residual, requires_grad)
+    if writes_x:
+        _check_writable(x, residual, requires_grad)
 
 
 def _run(function, args, differentiable):

@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation, _backend, _groupnorm_ops
-from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
-                        _output_grad, _param_grads, _prepare, _refuse_double_backward, _run, _write,
-                        module_affine)
+from .functions import (WEIGHT_MODES, _activation_code, _check_common, _layout_compatible, _like_layout,
+                        _native_autograd, _output_grad, _param_grads, _prepare, _refuse_double_backward, _run,
+                        _write, module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -120,6 +120,7 @@ def inplace_agn(
     *,
     residual: Optional[torch.Tensor] = None,
     weight_mode: str = "abs",
+    preserve_input: bool = False,
 ) -> torch.Tensor:
     """In-place activated GroupNorm.
 
@@ -147,25 +148,41 @@ def inplace_agn(
         residual: optional tensor shaped like x added before the activation,
             sharing no memory with x; it receives the gradient dL/dz.
         weight_mode: ``"abs"`` (default) or ``"signed"``.
+        preserve_input: leave x as it is and return the output in a new
+            tensor of x's shape and memory layout. The backward still keeps
+            only the output, so this saves the same memory as the in-place
+            form: for an x that is read again after the layer (a residual
+            shortcut). It costs no extra pass over memory where the native
+            kernels run (eager, contiguous or channels-last x); elsewhere
+            (torch.compile, the pure backend, other strides) the layer runs in
+            place on a copy of x.
 
     Returns:
-        x itself, holding the output.
+        x itself, holding the output (a new tensor with ``preserve_input``).
 
     Raises, before anything is written, as `inplace_abn` does: for an x that
     autograd would not let an in-place op modify, an x whose elements share
-    memory, a residual sharing memory with x, tensors carrying forward-mode
-    tangents, and C not divisible by num_groups. The backward raises under
-    ``create_graph=True`` (use `AGN` for double backward).
+    memory, a residual sharing memory with x (none of these with
+    ``preserve_input``), tensors carrying forward-mode tangents, and C not
+    divisible by num_groups. The backward raises under ``create_graph=True``
+    (use `AGN` for double backward).
     """
     _check_groups(x, num_groups)
     _check_common("inplace_agn", x, residual, eps, activation, activation_param, weight_mode, weight=weight,
-                  bias=bias)
+                  bias=bias, writes_x=not preserve_input)
     if torch.compiler.is_exporting() or torch.jit.is_tracing():
         return _standard_ops(x, num_groups, weight, bias, float(eps), activation, float(activation_param), residual,
                              weight_mode)
     invertible, act = _activation_code(activation, activation_param)
     if not invertible:
         _activation.warn_not_invertible(activation, activation_param)
+    if preserve_input:
+        if (invertible and x.numel() > 0 and not torch.compiler.is_compiling() and _layout_compatible(x) is not None
+                and _backend.ops_for(x) is _backend.NATIVE and _groupnorm_ops._native_ok(x, act)):
+            # forward_ reads x and writes a new tensor: no copy pass (src/ops/autograd.cpp)
+            return _NATIVE_AGN_OUT(x, weight, bias, None if residual is None else _like_layout(residual, x),
+                                   num_groups, float(eps), act, float(activation_param), weight_mode == "signed")
+        x = x.clone()  # (the clone's grad_fn passes x's gradient through)
     args = (x, weight, bias, residual, num_groups, float(eps), activation, float(activation_param),
             weight_mode == "signed")
     if (invertible and x.numel() > 0 and _native_autograd(x, (x, weight, bias, residual))
@@ -177,6 +194,7 @@ def inplace_agn(
 
 
 _NATIVE_AGN = torch.ops.inplace_abn.inplace_agn_.default if _backend.HAS_NATIVE else None
+_NATIVE_AGN_OUT = torch.ops.inplace_abn.inplace_agn.default if _backend.HAS_NATIVE else None
 
 
 class AGN(nn.Module):
@@ -246,6 +264,9 @@ class InPlaceAGN(AGN):
         weight_mode: ``"abs"`` (default, as `InPlaceABN`: the effective scale
             is |weight| + eps) or ``"signed"`` (sign(weight)(|weight| + eps):
             torch.nn.GroupNorm weights of either sign load with their meaning).
+        preserve_input: keep x and return the output in a new tensor, still
+            keeping only the output for backward (see `inplace_agn`): for an
+            input that is read again after the layer.
 
     ``forward(x, residual=None)``: x of shape (N, C, ...) is overwritten with
     f(GN(x) + residual) and returned. relu (or leaky_relu with slope 0) is not
@@ -254,20 +275,23 @@ class InPlaceAGN(AGN):
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  activation: str = "silu", activation_param: float = 0.01, weight_mode: str = "abs", *,
-                 device=None, dtype=None):
+                 preserve_input: bool = False, device=None, dtype=None):
         super().__init__(num_groups, num_channels, eps, affine, activation, activation_param, device=device,
                          dtype=dtype)
         if weight_mode not in WEIGHT_MODES:
             raise ValueError(f"weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
         self.weight_mode = weight_mode
+        self.preserve_input = preserve_input
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight, bias = module_affine(self)
         return inplace_agn(x, self.num_groups, weight, bias, self.eps, self.activation, self.activation_param,
-                           residual=residual, weight_mode=self.weight_mode)
+                           residual=residual, weight_mode=self.weight_mode,
+                           preserve_input=getattr(self, "preserve_input", False))
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
+        rep = super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
+        return rep + (", preserve_input=True" if getattr(self, "preserve_input", False) else "")
 
 
 __all__ = ["inplace_agn", "AGN", "InPlaceAGN"]

@@ -549,9 +549,8 @@ class _Block(nn.Module):
         return self.conv1(self.norm(self.conv0(x)))
 
 
-def test_compile_fullgraph_training_matches_eager():
-    torch.manual_seed(0)
-    eager = _Block(InPlaceAGN(4, 8, activation="silu", weight_mode="signed"))
+def _compiled_matches_eager(eager):
+    """torch.compile(fullgraph=True) of a copy of ``eager``: the same output and parameter gradients."""
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     x = torch.randn(2, 3, 6, 6)
@@ -561,6 +560,11 @@ def test_compile_fullgraph_training_matches_eager():
     yc.square().sum().backward()
     for (n, pe), pc in zip(eager.named_parameters(), compiled_model.parameters()):
         torch.testing.assert_close(pc.grad, pe.grad, msg=n)
+
+
+def test_compile_fullgraph_training_matches_eager():
+    torch.manual_seed(0)
+    _compiled_matches_eager(_Block(InPlaceAGN(4, 8, activation="silu", weight_mode="signed")))
 
 
 def test_export_uses_standard_group_norm():
@@ -602,6 +606,146 @@ def test_saved_bytes_groupnorm_silu_conv_blocks():
     assert o - input_bytes == pytest.approx((t + mask) * blocks, abs=small)
     # two tensors per block fewer (the conv input is saved by both)
     assert (s - o) / (t * blocks) == pytest.approx(2 - 1 / 32, abs=0.01)
+
+
+# ---- preserve_input: the out-of-place form --------------------------------------------
+
+PRESERVE_LAYOUTS = ["2d", "4d", "4d_channels_last", "4d_channels_last_words", "4d_channels_last_wide",
+                    "5d_channels_last_3d"]
+
+
+def _preserve_run(case, layout, activation, with_residual, preserve):
+    """y and the gradients of x, weight, bias (and residual) of the layer; with
+    ``preserve`` x is a leaf passed as it is (an in-place layer would refuse
+    it) and must come out unchanged, y a new tensor in x's layout."""
+    shape, groups, fmt = LAYOUTS[layout]
+    x0 = case["x"].clone().contiguous(memory_format=fmt).requires_grad_()
+    w, b = case["w"].clone().requires_grad_(), case["b"].clone().requires_grad_()
+    r = case["residual"].clone().contiguous(memory_format=fmt).requires_grad_() if with_residual else None
+    x = x0 if preserve else x0.clone(memory_format=torch.preserve_format)
+    y = inplace_agn(x, groups, w, b, 1e-5, activation, PARAM[activation], residual=r, weight_mode="signed",
+                    preserve_input=preserve)
+    if preserve:
+        assert y.data_ptr() != x0.data_ptr() and y.stride() == x0.stride()
+        assert torch.equal(x0.detach(), case["x"]), "preserve_input wrote into x"
+    inputs = [x0, w, b] + ([r] if with_residual else [])
+    grads = torch.autograd.grad(y, inputs, case["dy"].contiguous(memory_format=fmt))
+    return dict(y=y.detach(), dx=grads[0], dw=grads[1], db=grads[2], dr=grads[3] if with_residual else None)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
+@pytest.mark.parametrize("layout", PRESERVE_LAYOUTS)
+def test_preserve_input_is_the_in_place_layer_out_of_place(backend, layout, activation, with_residual):
+    """Bit for bit the in-place layer's output and gradients (the same statistics
+    and kernels; the native path reads x as forward_'s source), x untouched."""
+    case = _case(layout, torch.float32, seed=7)
+    out = _preserve_run(case, layout, activation, with_residual, True)
+    ref = _preserve_run(case, layout, activation, with_residual, False)
+    for k, v in out.items():
+        assert v is None or torch.equal(v, ref[k]), k
+
+
+@pytest.mark.parametrize("activation", INVERTIBLE)
+@pytest.mark.parametrize("layout", ["4d", "4d_channels_last_words", "5d_channels_last_3d"])
+def test_preserve_input_float64_matches_groupnorm(backend, layout, activation):
+    case = _case(layout, torch.float64, seed=11)
+    ours = _preserve_run(case, layout, activation, True, True)
+    ref = run(case, "stock", layout, activation, "signed", True)
+    err = errors(ours, ref)
+    assert max(err.values()) <= 1e-10, err
+
+
+def test_preserve_input_takes_what_the_in_place_layer_refuses(backend):
+    """x may be a leaf requiring grad, an inference tensor, an expanded tensor, or
+    the residual itself: nothing is written to it."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 4, 3, generator=g, dtype=torch.float64)
+    leaf = base.clone().requires_grad_()
+    y = inplace_agn(leaf, 2, activation="elu", activation_param=1.0, residual=leaf, preserve_input=True)
+    ref = F.elu(F.group_norm(base.clone().requires_grad_(), 2) + base)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    assert torch.equal(leaf.detach(), base)
+    (gx,) = torch.autograd.grad(y.sum(), leaf)
+    x64 = base.clone().requires_grad_()
+    (gr,) = torch.autograd.grad(F.elu(F.group_norm(x64, 2) + x64).sum(), x64)
+    torch.testing.assert_close(gx, gr, rtol=0, atol=1e-12)
+    expanded = torch.randn(1, 4, 1, generator=g).expand(2, 4, 3)
+    torch.testing.assert_close(inplace_agn(expanded, 2, activation="identity", preserve_input=True),
+                               F.group_norm(expanded, 2), rtol=0, atol=1e-6)
+    with torch.inference_mode():
+        inf = torch.randn(2, 8, 4, 4, generator=g)
+    keep = inf.clone()
+    y = inplace_agn(inf, 4, preserve_input=True)
+    assert torch.equal(inf, keep)
+    torch.testing.assert_close(y, F.silu(F.group_norm(keep, 4)), rtol=0, atol=1e-5)
+
+
+class _Shortcut(nn.Module):
+    """x + conv(layer(x)), x = conv0(input): the layer's input is read again."""
+
+    def __init__(self, layer, C=16):
+        super().__init__()
+        self.conv0, self.layer, self.conv1 = nn.Conv2d(3, C, 3, padding=1), layer, nn.Conv2d(C, C, 3, padding=1)
+
+    def forward(self, inp):
+        x = self.conv0(inp)
+        return x + self.conv1(self.layer(x))
+
+
+def test_preserve_input_saves_what_the_in_place_layer_saves():
+    """Stock GroupNorm -> SiLU -> conv on a shortcut's input saves three tensors;
+    preserve_input saves the output alone (which the conv saves anyway) and
+    the mask, as the in-place layer on a clone of x does."""
+    N, C, H, W = 2, 16, 16, 16
+    inp = torch.randn(N, 3, H, W)
+    torch.manual_seed(0)
+    stock = _Shortcut(nn.Sequential(nn.GroupNorm(4, C), nn.SiLU()))
+    ours = _Shortcut(InPlaceAGN(4, C, preserve_input=True))
+    s, o = model_saved_bytes(stock, inp), model_saved_bytes(ours, inp)
+    t, mask, small = N * C * H * W * 4, N * C * H * W // 8, 2 * N * 4 * 4
+    assert s - o == pytest.approx(2 * t - mask, abs=small)
+    assert "preserve_input=True" in repr(ours.layer)
+
+
+def test_preserve_input_compiles_fullgraph():
+    """Under torch.compile the layer runs in place on a clone of x: same results as eager."""
+    torch.manual_seed(0)
+    _compiled_matches_eager(_Shortcut(InPlaceAGN(4, 16, activation="silu", weight_mode="signed",
+                                                 preserve_input=True)))
+
+
+@pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("act", INVERTIBLE_CODES)
+def test_forward_operator_with_source(act, fmt):
+    """forward_(out, ..., source=x) reads x and writes out: bit for bit the in-place
+    result, x untouched; the source must match out's shape, dtype and strides
+    and must not partly overlap it."""
+    ops = torch.ops.inplace_abn
+    g = torch.Generator().manual_seed(13 + act)
+    N, C, G = 3, 8, 4
+    x = torch.randn(N, C, 4, 5, generator=g).contiguous(memory_format=fmt)
+    w, b, r = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g), torch.randn_like(x)
+    p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 1.0}.get(act, 0.0)
+    for groups in (0, G):
+        mean, var = ops.batch_stats(x, None, None, 0.0, groups)
+        args = (mean, var, w, b, r, 1e-5, act, p, True, None, groups)
+        keep, inplace, out = x.clone(), x.clone(), torch.empty_like(x)
+        mask_in = ops.forward_(inplace, *args)
+        mask_out = ops.forward_(out, *args, x)
+        assert torch.equal(out, inplace) and torch.equal(mask_out, mask_in) and torch.equal(x, keep)
+        torch.library.opcheck(ops.forward_.default, (torch.empty_like(x),) + args + (x,))
+    with pytest.raises(RuntimeError, match="source must have x's shape, dtype and device"):
+        ops.forward_(torch.empty_like(x), *args, x.double())
+    with pytest.raises(RuntimeError, match="source must have x's memory layout"):
+        other = torch.channels_last if fmt == torch.contiguous_format else torch.contiguous_format
+        ops.forward_(torch.empty_like(x), *args, x.contiguous(memory_format=other))
+    buf = torch.randn(x.numel() + C)  # out and a source one channel row further on
+    out, src = buf[:x.numel()].view(x.shape), buf[C:].view(x.shape)
+    mean, var = ops.batch_stats(src, None, None, 0.0, 0)
+    with pytest.raises(RuntimeError, match="share part of their memory"):
+        ops.forward_(out, mean, var, w, b, None, 1e-5, act, p, True, None, 0, src)
 
 
 # ---- native kernels: thread count ----------------------------------------------------

@@ -109,6 +109,13 @@ def test_groupnorm_call_counts(activation, weight_mode):
         abs_mode = ["inplace_abn.weight_grad.default"] if weight_mode == "abs" else []
         assert bwd == ["inplace_abn.gn_backward.default"] + abs_mode, bwd
         assert fr == [] and br == [], (fr, br)
+        # preserve_input: the output's allocation, and no copy of x (forward_ reads it)
+        layer.preserve_input = True
+        layer.zero_grad(set_to_none=True)  # (no accumulation into the first run's gradients)
+        fwd, bwd, fr, br = _counted(layer, x, torch.randn_like(x))
+        assert fwd == ["inplace_abn.batch_stats.default", "aten.empty_like.default",
+                       "inplace_abn.forward_.default"], fwd
+        assert bwd == ["inplace_abn.gn_backward.default"] + abs_mode, bwd
 
 
 def _stock_eval_grads(x, layer, dy):

@@ -1,4 +1,5 @@
-// forward_ on the CPU: x <- f((x - mean_hi - mean_lo) scale + shift [+ residual]), in place;
+// forward_ on the CPU: x <- f((x - mean_hi - mean_lo) scale + shift [+ residual]), in place
+// (or from source, when given, into x);
 // SiLU: the branch bits [z < z*] in memory order. ZOUT (ReLU, with identity):
 // z into out1 (the compute type), max(z, 0) into x.
 #include "cpu/kernel_utils.h"
@@ -18,6 +19,7 @@ void forward_t(const KernelArgs& a) {
   const Walk g = walk_of(a.g);
   const CoefRows<F, kFwdRows> cr(a, g);
   S* x = a.x.data_ptr<S>();
+  const S* in = a.source.defined() ? a.source.const_data_ptr<S>() : x;
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   int32_t* mask = MASK ? a.mask.data_ptr<int32_t>() : nullptr;
   F* zout = ZOUT ? a.out1.data_ptr<F>() : nullptr;
@@ -27,13 +29,14 @@ void forward_t(const KernelArgs& a) {
     // local copies: the captured originals' addresses escape into the thread pool, so
     // each vector store reloaded them (leaky_relu forward_ 16x64x56x56, 2 threads: 0.50 -> 0.38 ms)
     S* const x_ = x;
+    const S* const in_ = in;
     const S* const res_ = res;
     const V p_ = p;
     F* const zout_ = zout;
     BitWriter bw(MASK ? mask + w0 : nullptr);
     for_each_vector(g, cr, w0 * 32, std::min(w1 * 32, g.numel), [&](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
       constexpr bool FULL = decltype(full)::value;
-      V z = at::vec::fmadd((io::template ld<FULL>(x_ + i, cnt) - co.get(kFwdMeanHi, j)) - co.get(kFwdMeanLo, j),
+      V z = at::vec::fmadd((io::template ld<FULL>(in_ + i, cnt) - co.get(kFwdMeanHi, j)) - co.get(kFwdMeanLo, j),
                            co.get(kFwdScale, j), co.get(kFwdShift, j));
       if constexpr (RES) z = z + io::template ld<FULL>(res_ + i, cnt);
       if constexpr (ZOUT) {

@@ -191,9 +191,10 @@ __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, ui
 }
 
 // ---------------------------------------------------------------------------
-// forward_: y = f((x - mean) g~ r + beta [+ residual]) written into x; with
-// zout (ReLU, A = identity), z into zout and max(z, 0) into x.
-// Each thread reads then writes its own positions only; x and res carry no
+// forward_: y = f((x - mean) g~ r + beta [+ residual]) written into x, x read
+// from src (x itself, or the source of the out-of-place form); with zout
+// (ReLU, A = identity), z into zout and max(z, 0) into x.
+// Each thread reads then writes its own positions only; x, src and res carry no
 // __restrict__ so that a residual aliasing x stays correct.
 // Thread t handles the vectors v = t + (i U + u) vstride (u < U), vector v
 // being elements [v K, v K + K); a warp's 32 vectors are consecutive and start
@@ -201,7 +202,7 @@ __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, ui
 
 template <typename scalar_t, typename acc_t, Act A, int K, bool kFixed>
 __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
-    forward_kernel(scalar_t* x, const scalar_t* res, uint32_t* __restrict__ mask,
+    forward_kernel(scalar_t* x, const scalar_t* src, const scalar_t* res, uint32_t* __restrict__ mask,
                    const acc_t* __restrict__ coef, acc_t param, int64_t numel, int64_t inner, int64_t C,
                    acc_t* __restrict__ zout) {
   using Fn = Activation<A, ScalarMath<acc_t>>;
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
       if constexpr (!kFixed) cur.jump(rs, dcq, inner, C);
       const int64_t e = (v + u * vstride) * K;
       if (e < numel) {
-        load_k<K>(x + e, xv[u], e + K <= numel, numel - e);
+        load_k<K>(src + e, xv[u], e + K <= numel, numel - e);
         if (res != nullptr) load_k<K>(res + e, rv[u], e + K <= numel, numel - e);
       }
     }

@@ -5,7 +5,8 @@
 // come here and save the Python autograd.Function and five Python-level op
 // calls: about 25 us of host time per training step (docs/DESIGN.md section 7.3).
 // The argument checks stay in Python (they raise before anything is written).
-// inplace_agn_ does the same for the GroupNorm layer (section 10).
+// inplace_agn_ does the same for the GroupNorm layer (section 10), and inplace_agn
+// for its out-of-place form.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -61,7 +62,8 @@ struct Edges {
 };
 
 // What both layers keep for backward: the output (or ReLU's z), the variance,
-// the parameters, the residual and the mask; integer and float settings.
+// the parameters, the residual and the mask; integer and float settings. x is
+// marked dirty (written in place) unless undefined (the out-of-place layer).
 void save(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y, const at::Tensor& var,
           const OptTensor& weight, const OptTensor& bias, const OptTensor& residual, const at::Tensor& mask,
           std::vector<int64_t> ints, double eps, double param) {
@@ -69,7 +71,7 @@ void save(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y, const 
                           residual.value_or(at::Tensor()), mask});
   ctx->saved_data["i"] = std::move(ints);
   ctx->saved_data["f"] = std::vector<double>{eps, param};
-  ctx->mark_dirty({x});
+  if (x.defined()) ctx->mark_dirty({x});
 }
 
 struct Saved {
@@ -122,9 +124,11 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     at::Tensor saved = x, mask;
     if (relu) {  // z in the accumulation dtype, in x's layout (docs/DESIGN.md section 3)
       saved = at::empty_like(x, x.options().dtype(acc_type_of(x.scalar_type())));
-      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, saved, 0);
+      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, saved, 0,
+                            std::nullopt);
     } else {
-      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0);
+      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0,
+                             std::nullopt);
     }
     if (num_batches_tracked.has_value()) count_batch(*num_batches_tracked);
     const int64_t C = x.size(1);
@@ -189,19 +193,23 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
 // and gn_backward, as _InPlaceAGNFunction runs them with the native operators
 // (it stays the path of the pure backend and of the channels-last SiLU shapes
 // that inplace_abn/_groupnorm_ops.py leaves to the pure kernels).
+// With out_of_place (inplace_agn): y goes to a new tensor in x's layout and x is
+// left as it is; forward_ reads x as its source, so this costs no more than the
+// in-place form (a copy of x first would add a pass), and y alone is still kept.
 struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
                             const OptTensor& residual, int64_t groups, double eps, int64_t act, double param,
-                            bool signed_weight) {
+                            bool signed_weight, bool out_of_place) {
     TORCH_CHECK(x.numel() > 0 && groups > 0 && x.size(1) % groups == 0,
-                "inplace_abn: inplace_agn_ needs a non-empty x and groups dividing C");
+                "inplace_abn: inplace_agn(_) needs a non-empty x and groups dividing C");
     const auto [mean, var] = ops().stats.call(x, std::nullopt, std::nullopt, 0.0, groups);
-    const at::Tensor mask =
-        ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, groups);
+    const at::Tensor y = out_of_place ? at::empty_like(x, at::MemoryFormat::Preserve) : x;
+    const at::Tensor mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight,
+                                           std::nullopt, groups, out_of_place ? OptTensor(x) : std::nullopt);
     const Edges e(weight, bias, std::nullopt, std::nullopt, residual);
-    save(ctx, x, x, var, weight, bias, residual, mask, {act, groups, e.weight, e.bias, e.residual, signed_weight},
-         eps, param);
-    return x;
+    save(ctx, out_of_place ? at::Tensor() : x, y, var, weight, bias, residual, mask,
+         {act, groups, e.weight, e.bias, e.residual, signed_weight}, eps, param);
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -227,7 +235,7 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
     if (need_w) dw = signed_weight ? cast(s_gzx, weight.scalar_type()) : ops().wgrad.call(s_gzx, weight, false);
     if (need_b) db = cast(s_gz, bias.scalar_type());
     return {need_x ? dx : at::Tensor(), dw, db, need_r ? dr : at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -235,7 +243,14 @@ at::Tensor inplace_agn_(const at::Tensor& x, const OptTensor& weight, const OptT
                         const OptTensor& residual, int64_t groups, double eps, int64_t activation,
                         double activation_param, bool signed_weight) {
   return InPlaceAGNFunction::apply(x, weight, bias, residual, groups, eps, activation, activation_param,
-                                   signed_weight);
+                                   signed_weight, false);
+}
+
+at::Tensor inplace_agn(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                       const OptTensor& residual, int64_t groups, double eps, int64_t activation,
+                       double activation_param, bool signed_weight) {
+  return InPlaceAGNFunction::apply(x, weight, bias, residual, groups, eps, activation, activation_param,
+                                   signed_weight, true);
 }
 
 at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
@@ -288,6 +303,7 @@ struct NoGrad<R(A...)> {
 TORCH_LIBRARY_IMPL(inplace_abn, CompositeImplicitAutograd, m) {
   m.impl("inplace_abn_", &inplace_abn_);
   m.impl("inplace_agn_", &inplace_agn_);
+  m.impl("inplace_agn", &inplace_agn);
 }
 
 TORCH_LIBRARY_IMPL(inplace_abn, Autograd, m) {

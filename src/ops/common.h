@@ -311,7 +311,7 @@ struct Groups {
     check_channel_vector(t, x, name);
     return {t, fill, 1, G ? C : 0};
   }
-  // Runs stub on a, or (per_sample) on each sample's part of a: x, dy, residual,
+  // Runs stub on a, or (per_sample) on each sample's part of a: x, source, dy, residual,
   // z and the mask words of sample n, its table columns, and out1 / out2 as
   // rows n of (N, ...) results (rows_out) or samples n of x-shaped ones.
   void run(const KernelStub& stub, const KernelArgs& a, bool rows_out) const {
@@ -328,6 +328,7 @@ struct Groups {
     for (int64_t n = 0; n < N; ++n) {
       KernelArgs& p = parts[n];
       p.x = sample(a.x, n), p.dy = sample(a.dy, n), p.residual = sample(a.residual, n), p.z = sample(a.z, n);
+      p.source = sample(a.source, n);
       p.mask = part(a.mask, n, words, true);
       p.coef = part(tables, n, 1, false);
       p.out1 = out(a.out1, n), p.out2 = out(a.out2, n);

@@ -1,7 +1,11 @@
 // inplace_abn::forward_: y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual])
 // written into x; returns the packed SiLU branch mask. With z_out (the
-// non-invertible ReLU): z into z_out, max(z, 0) into x, in one pass. Kernels:
-// src/cpu/forward_kernel.cpp, src/cuda/forward_kernel.cu.
+// non-invertible ReLU): z into z_out, max(z, 0) into x, in one pass. With
+// source: the input is read from source and x only receives the output (the
+// out-of-place layer; one pass less than a copy followed by the in-place form).
+// Kernels: src/cpu/forward_kernel.cpp, src/cuda/forward_kernel.cu.
+#include <ATen/MemoryOverlap.h>
+
 #include "ops/common.h"
 #include "ops/ops.h"
 
@@ -11,8 +15,20 @@ KernelStub forward_stub;
 
 at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var, const OptTensor& weight,
                     const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation,
-                    double activation_param, bool signed_weight, const OptTensor& z_out, int64_t groups) {
+                    double activation_param, bool signed_weight, const OptTensor& z_out, int64_t groups,
+                    const OptTensor& source) {
   check_input(x, "x");
+  if (source.has_value()) {  // read in lockstep with x: the same elements at the same offsets
+    TORCH_CHECK(source->sizes() == x.sizes() && source->scalar_type() == x.scalar_type() &&
+                    source->device() == x.device(),
+                "inplace_abn: source must have x's shape, dtype and device (", x.sizes(), " ", x.scalar_type(), " on ",
+                x.device(), "), got ", source->sizes(), " ", source->scalar_type(), " on ", source->device());
+    TORCH_CHECK(source->strides() == x.strides(), "inplace_abn: source must have x's memory layout (strides ",
+                x.strides(), "), got strides ", source->strides());
+    const auto overlap = at::get_overlap_status(x, *source);
+    TORCH_CHECK(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::Full,
+                "inplace_abn: source and x share part of their memory: the output would overwrite input not yet read");
+  }
   const Act act = to_act(activation);
   const Groups grp(x, groups);
   const std::array<ChannelInput, 4> in{grp.stat(mean, 0.0, x, "mean"), grp.stat(var, 0.0, x, "var"),
@@ -38,7 +54,7 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
     return std::array{hi, v[0] - hi, gain(v[2], weight.has_value(), eps, signed_weight) * inv_std(v[1], eps), v[3]};
   }, grp.columns(x));
   grp.run(forward_stub,
-          {.x = xv, .residual = grp.view(like(residual, x)), .mask = mask, .coef = coef,
+          {.x = xv, .source = grp.view(source.value_or(at::Tensor())), .residual = grp.view(like(residual, x)), .mask = mask, .coef = coef,
            .out1 = grp.view(z_out.value_or(at::Tensor())), .g = geometry_of(xv, "x"), .act = act,
            .param = activation_param},
           false);

@@ -45,6 +45,7 @@ enum GnRow : int { kGnShift, kGnGain, kGnRstd, kGnRows };
 
 struct KernelArgs {
   at::Tensor x;         // batch_stats, forward_ (overwritten): x; backward: y
+  at::Tensor source;    // forward_: undefined, or the input read in x's place (x then only receives y)
   at::Tensor dy;        // backward: the output gradient, in x's dtype and layout
   at::Tensor residual;  // undefined, or in x's dtype and layout
   at::Tensor mask;      // SiLU: the packed branch bits (int32), else undefined

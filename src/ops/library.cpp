@@ -30,10 +30,13 @@ TORCH_LIBRARY(inplace_abn, m) {
   // order of x), empty for other activations. With z_out (activation 0,
   // identity, only): z_out receives the pre-activation z (accumulation dtype,
   // x's shape and layout) and x receives max(z, 0): the non-invertible ReLU,
-  // whose backward needs z (docs/DESIGN.md section 3).
+  // whose backward needs z (docs/DESIGN.md section 3). With source (x's shape,
+  // dtype and layout, sharing no memory with x): the input is read from source
+  // and x only receives y, the out-of-place form (inplace_agn below).
   m.def(
       "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0) -> Tensor mask");
+      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0, "
+      "Tensor? source=None) -> Tensor mask");
   // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone.
   m.def(
       "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
@@ -65,6 +68,12 @@ TORCH_LIBRARY(inplace_abn, m) {
   m.def(
       "inplace_agn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
       "int activation, float activation_param, bool signed_weight) -> Tensor(a!)");
+  // The same layer out of place: y in a new tensor (x's shape and layout), x left
+  // as it is, and still only y kept for backward: for an input that is read again
+  // (a diffusers ResnetBlock2D's norm1, whose block input the shortcut reads).
+  m.def(
+      "inplace_agn(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
+      "int activation, float activation_param, bool signed_weight) -> Tensor");
   // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce
   // stored z = f^-1(y) in z_out; the dx of backward_input from z, written over z
   // (so the second pass skips the inversion and allocates nothing). Returns dresidual.

@@ -17,7 +17,7 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& residual, double eps, int64_t activation,
                     double activation_param, bool signed_weight, const std::optional<at::Tensor>& z_out,
-                    int64_t groups);
+                    int64_t groups, const std::optional<at::Tensor>& source);
 
 std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
                                                    const std::optional<at::Tensor>& weight,
