@@ -64,6 +64,21 @@ def test_variants_start_from_the_same_weights():
         torch.testing.assert_close(models["checkpoint"](x)["out"], models["stock"](x)["out"])
 
 
+def test_paired_ratio_is_the_median_of_per_repeat_ratios_with_its_interval():
+    bm = _load()
+    # a host whose speed drifts 2x over the run: each pair shares the drift, the ratio is 0.9 +- noise
+    ratios = [0.9 + 0.01 * ((7 * i) % 30 - 14.5) / 14.5 for i in range(30)]
+    base = [1.0 + i / 30 for i in range(30)]
+    med, lo, hi = bm.paired_ratio([r * b for r, b in zip(ratios, base)], base)
+    ranked = sorted(ratios)
+    assert med == pytest.approx((ranked[14] + ranked[15]) / 2)
+    assert (lo, hi) == (pytest.approx(ranked[9]), pytest.approx(ranked[20]))  # ranks 10 and 21 of 30
+    # the ratio of medians would not see the pairing: the drift dominates the spread
+    assert hi - lo < 0.01
+    assert bm.paired_ratio([2.0, 3.0, 4.0], [2.0, 2.0, 2.0]) == (1.5, 1.0, 2.0)  # few repeats: the extremes
+    assert bm.ratio_cell([1.0] * 8, [2.0] * 8) == "0.500 [0.500, 0.500]"
+
+
 def test_quick_run_prints_one_table_and_writes_json(tmp_path):
     out = tmp_path / "models.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
