@@ -11,9 +11,13 @@ resolution is low, ResNet blocks everywhere). Variants, from the same weights:
   converted   : ``inplace_abn.convert_model(model)``: every ResnetBlock2D's
                 norm1 -> SiLU and norm2 -> SiLU, and the output
                 conv_norm_out -> conv_act, become InPlaceAGN layers; norm1
-                overwrites a clone of the block input (the shortcut reads it);
+                has preserve_input=True (the shortcut reads the block input):
+                its output goes to a new tensor;
+  norm1 on a clone : the same, with norm1 overwriting a clone of the block
+                input instead (how the conversion did it before
+                preserve_input: one more pass over the block input);
   norm1 kept  : the same rewrite with norm1 left a stock GroupNorm + SiLU
-                (no clone; the alternative to the clone, docs/DESIGN.md 9.1).
+                (the alternative that converts less, docs/DESIGN.md 9.1).
 
 Memory: bytes saved for backward by one training forward
 (``inplace_abn.memory.model_saved_bytes``, docs/DESIGN.md section 5), and the
@@ -42,16 +46,15 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # bench_models puts the repository and examples/ on the path too
-from bench_models import BREAKDOWN_VARIANTS, MiB, header, keep_freed_memory, quartiles, time_interleaved  # noqa: E402
+from bench_models import (BREAKDOWN_VARIANTS, MiB, header, keep_freed_memory, quartiles, ratio_cell,  # noqa: E402
+                          time_interleaved)
 from breakdown import header as breakdown_header  # noqa: E402
 from breakdown import profile_variants  # noqa: E402
 from breakdown import table as breakdown_table  # noqa: E402
@@ -61,7 +64,7 @@ from inplace_abn._convert_analysis import module_activation  # noqa: E402
 from inplace_abn.memory import _storage_key, model_saved_bytes  # noqa: E402
 from train_diffusion_unet import TIMESTEPS, alphas_cumprod, build_unet, noise_loss  # noqa: E402
 
-VARIANTS = ("stock", "converted", "norm1 kept")
+VARIANTS = ("stock", "converted", "norm1 on a clone", "norm1 kept")
 QUICK = dict(batch=2, size=32, repeats=2, warmup=1)
 
 
@@ -73,9 +76,25 @@ def build_variants(size: int):
     torch.manual_seed(0)
     stock = build_unet(size)
     converted, report = inplace_abn.convert_model(stock, return_report=True)  # a deep copy
+    cloned = copy.deepcopy(converted)
+    for block in cloned.modules():
+        if isinstance(block, _convert_diffusers.InPlaceResnetBlock2D) and block.fused_norm1:
+            block.norm1.preserve_input = False
+            block.norm1 = _OnClone(block.norm1)
     kept = copy.deepcopy(stock)
-    _convert_diffusers.rewrite(kept, ("leaky_relu", 0.01), ConversionReport(), set(), clone_input=False)
-    return {"stock": stock, "converted": converted, "norm1 kept": kept}, report
+    _convert_diffusers.rewrite(kept, ("leaky_relu", 0.01), ConversionReport(), set(), fuse_norm1=False)
+    return {"stock": stock, "converted": converted, "norm1 on a clone": cloned, "norm1 kept": kept}, report
+
+
+class _OnClone(nn.Module):
+    """An in-place layer run on a copy of its input (the "norm1 on a clone" variant)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x.clone())
 
 
 def _keys(value):
@@ -130,28 +149,6 @@ def pair_bound(model: nn.Module, *inputs):
     return sum(n for n, _ in saved.values()), sum(kept.values()), len(pairs)
 
 
-def clone_cost(model: nn.Module, *inputs, repeats: int = 20):
-    """(bytes, seconds): what the converted model's norm1 clones copy in one forward, and the
-    median time of those copies alone (tensors of the shapes that norm1 receives in ``model``)."""
-    shapes = []
-    handles = [m.norm1.register_forward_pre_hook(lambda mod, args: shapes.append(args[0].shape))
-               for m in model.modules() if hasattr(m, "norm1") and hasattr(m, "conv_shortcut")]
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    tensors = [torch.randn(s) for s in shapes]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for t in tensors:
-            t.clone()
-        times.append(time.perf_counter() - t0)
-    return sum(t.numel() * t.element_size() for t in tensors), statistics.median(times)
-
-
 def make_step(model: nn.Module, batch: int, size: int):
     g = torch.Generator().manual_seed(1)
     clean = torch.randn(batch, 3, size, size, generator=g) * 0.5
@@ -180,8 +177,7 @@ def bench(batch: int, size: int, repeats: int, warmup: int, progress=True, profi
     steps = {v: make_step(m, batch, size) for v, m in models.items()}
     times = time_interleaved(steps, repeats, warmup, f"unet b{batch} {size}px", progress)
     breakdown = profile_variants({v: steps[v] for v in BREAKDOWN_VARIANTS}, profile_steps) if profile_steps else None
-    clone_bytes, clone_s = clone_cost(models["stock"], *inputs)
-    return {"breakdown": breakdown, "clone_bytes": clone_bytes, "clone_s": clone_s, "batch": batch, "size": size,
+    return {"breakdown": breakdown, "batch": batch, "size": size,
             "pairs": pairs, "bound_bytes": bound, "report": report.summary(),
             "variants": {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}}
 
@@ -192,16 +188,18 @@ def table(row) -> str:
     base_med = quartiles(base["times_s"])[1]
     lines = [f"upper bound ({row['pairs']} GroupNorm -> activation pairs each keeping only its output): "
              f"{bound / MiB:.1f} MiB, {bound / base['saved_bytes']:.3f} x stock",
-             "| variant | step ms (median) | IQR ms | step / stock | saved MiB | saved / stock | saved / bound |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | step ms (median) | IQR ms | step / stock | paired step / stock [95% CI] | saved MiB "
+             "| saved / stock | saved / bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in VARIANTS:
         r = v[name]
         q1, med, q3 = quartiles(r["times_s"])
         lines.append(f"| {name} | {med * 1e3:.1f} | {(q3 - q1) * 1e3:.1f} | {med / base_med:.3f} | "
-                     f"{r['saved_bytes'] / MiB:.1f} | {r['saved_bytes'] / base['saved_bytes']:.3f} | "
-                     f"{r['saved_bytes'] / bound:.3f} |")
-    lines.append(f"norm1 clones (converted): {row['clone_bytes'] / MiB:.1f} MiB copied per forward, "
-                 f"{row['clone_s'] * 1e3:.1f} ms alone = {row['clone_s'] / base_med:.3f} x a stock step")
+                     f"{ratio_cell(r['times_s'], base['times_s'])} | {r['saved_bytes'] / MiB:.1f} | "
+                     f"{r['saved_bytes'] / base['saved_bytes']:.3f} | {r['saved_bytes'] / bound:.3f} |")
+    conv, cloned = (v[n]["times_s"] for n in ("converted", "norm1 on a clone"))
+    lines.append(f"preserve_input against a clone for norm1: converted / norm1 on a clone, paired: "
+                 f"{ratio_cell(conv, cloned)}")
     return "\n".join(lines)
 
 

@@ -13,8 +13,9 @@ diffusers 0.42.1; the tests compare every converted block with the stock one.
   ``norm2 -> nonlinearity`` each done by one `InPlaceAGN` stored as ``norm1`` /
   ``norm2`` (same state-dict keys). ``norm2`` reads ``conv1(..) (+ temb)``,
   which nothing else reads: it is overwritten directly. ``norm1`` reads the
-  block input, which the shortcut reads again: it works on a clone (the clone
-  becomes the output the layer saves; see section 9.1 for the measured cost).
+  block input, which the shortcut reads again: it is made with
+  ``preserve_input=True`` (its output goes to a new tensor, which is all it
+  keeps for backward; see section 9.1 for the measured cost).
 - ``Attention`` and ``Transformer2DModel``: their GroupNorm (``group_norm``,
   ``norm``) feeds a projection, not an activation, and its input is the
   residual: left, with that reason.
@@ -48,8 +49,8 @@ class InPlaceResnetBlock2D(ResnetBlock2D):
     def forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if len(args) > 0 or kwargs.get("scale", None) is not None:
             deprecate("scale", "1.0.0", "The `scale` argument is deprecated and will be ignored.")
-        if self.clone_input:  # the shortcut reads input_tensor again: norm1 overwrites a copy of it
-            hidden_states = self.norm1(input_tensor.clone())
+        if self.fused_norm1:  # (preserve_input: the shortcut reads input_tensor again)
+            hidden_states = self.norm1(input_tensor)
         else:
             hidden_states = self.nonlinearity(self.norm1(input_tensor))
         if self.upsample is not None:
@@ -106,23 +107,24 @@ def _resnet_block_problem(block: ResnetBlock2D, relu_to) -> Tuple[Optional[tuple
     return act, problem
 
 
-def convert_resnet_block(block: ResnetBlock2D, relu_to, clone_input: bool = True):
+def convert_resnet_block(block: ResnetBlock2D, relu_to, fuse_norm1: bool = True):
     """Make ``block`` an `InPlaceResnetBlock2D` in place. Returns ``(layers, None)``
     with ``layers`` = [(name, layer, small, act)] of the converted norms, or
     ``(None, why)`` when the block's configuration is not supported (the block
-    is then untouched). ``clone_input=False`` leaves norm1 a stock GroupNorm
+    is then untouched). ``fuse_norm1=False`` leaves norm1 a stock GroupNorm
     (the alternative measured in benchmarks/bench_unet.py)."""
     act, problem = _resnet_block_problem(block, relu_to)
     if problem:
         return None, problem
-    names = ("norm1", "norm2") if clone_input else ("norm2",)
+    names = ("norm1", "norm2") if fuse_norm1 else ("norm2",)
     layers = []
     for name in names:
         layer, small = make_layer(getattr(block, name), act[0], act[1])
+        layer.preserve_input = name == "norm1"  # the shortcut reads the block input again
         setattr(block, name, layer)
         layers.append((name, layer, small, act))
     block.__class__ = InPlaceResnetBlock2D
-    block.clone_input = clone_input
+    block.fused_norm1 = fuse_norm1
     return layers, None
 
 
@@ -142,7 +144,7 @@ def _convert_unet_output(unet: nn.Module, relu_to):
     return [("conv_norm_out", layer, small, act)], None
 
 
-def rewrite(model: nn.Module, relu_to, report, handled: Set[int], clone_input: bool = True) -> None:
+def rewrite(model: nn.Module, relu_to, report, handled: Set[int], fuse_norm1: bool = True) -> None:
     """Convert every known diffusers block of ``model`` in place, appending to
     ``report`` (a `ConversionReport`) and adding the ids of the blocks it
     converted or left to ``handled`` (the traced conversion skips them)."""
@@ -152,7 +154,7 @@ def rewrite(model: nn.Module, relu_to, report, handled: Set[int], clone_input: b
         prefix = f"{qual}." if qual else ""
         if isinstance(module, ResnetBlock2D):
             kind, norms = "diffusers ResnetBlock2D", ("norm1", "norm2")
-            layers, why = convert_resnet_block(module, relu_to, clone_input)
+            layers, why = convert_resnet_block(module, relu_to, fuse_norm1)
             handled.add(id(module))
         elif isinstance(module, (UNet2DModel, UNet2DConditionModel)):
             kind, norms = f"diffusers {type(module).__name__} output", ("conv_norm_out",)
@@ -176,5 +178,5 @@ def rewrite(model: nn.Module, relu_to, report, handled: Set[int], clone_input: b
         for name, layer, small, (activation, param, desc) in layers:
             how = f"{desc}, module-level rewrite of {kind}"
             if name == "norm1":
-                how += "; the block input is cloned (the shortcut reads it)"
+                how += "; preserve_input (the shortcut reads the block input)"
             report.converted.append(ConvertedLayer(prefix + name, "gn+act", activation, param, how, "", small))

@@ -56,6 +56,8 @@ def test_quick_run_prints_the_tables_and_meets_the_bound(tmp_path):
     v, bound = res["variants"], res["bound_bytes"]
     assert bound <= v["converted"]["saved_bytes"] <= 1.05 * bound
     assert v["converted"]["saved_bytes"] < v["norm1 kept"]["saved_bytes"] < v["stock"]["saved_bytes"]
+    assert v["norm1 on a clone"]["saved_bytes"] == v["converted"]["saved_bytes"]  # the clone is what it keeps
+    assert "converted / norm1 on a clone, paired: " in proc.stdout
     assert v["converted"]["saved_bytes"] <= 0.65 * v["stock"]["saved_bytes"]
     # the breakdown: stock and converted only; stock's GroupNorm and SiLU seen, ours in converted
     lines = proc.stdout.splitlines()
