@@ -152,6 +152,9 @@ class InPlaceABN(ABN):
             the effective scale is |weight| + eps) or ``"signed"``
             (sign(weight)(|weight| + eps): standard BatchNorm weights load
             unchanged).
+        preserve_input: keep x and return the output in a new tensor, still
+            keeping only the output for backward (see `inplace_abn.functions.inplace_abn`):
+            for an input that is read again after the layer.
 
     ``forward(x, residual=None)``: x of shape (N, C, ...) is overwritten with
     f(BN(x) + residual) and returned. relu (or leaky_relu with slope 0) is not
@@ -169,6 +172,7 @@ class InPlaceABN(ABN):
         activation_param: float = 0.01,
         weight_mode: str = "abs",
         *,
+        preserve_input: bool = False,
         device=None,
         dtype=None,
     ):
@@ -177,15 +181,18 @@ class InPlaceABN(ABN):
         if weight_mode not in WEIGHT_MODES:
             raise ValueError(f"weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
         self.weight_mode = weight_mode
+        self.preserve_input = preserve_input
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         momentum, training, running_mean, running_var, counter = self._batch_state()
         weight, bias = module_affine(self)
         return _apply(x, weight, bias, running_mean, running_var, training, momentum, self.eps, self.activation,
-                      self.activation_param, residual, self.weight_mode, None, counter)
+                      self.activation_param, residual, self.weight_mode, None, counter,
+                      getattr(self, "preserve_input", False))
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
+        rep = super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
+        return rep + (", preserve_input=True" if getattr(self, "preserve_input", False) else "")
 
 
 class InPlaceABNSync(InPlaceABN):
@@ -215,11 +222,12 @@ class InPlaceABNSync(InPlaceABN):
         group: Optional[Any] = None,
         weight_mode: str = "abs",
         *,
+        preserve_input: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
-                         weight_mode, device=device, dtype=dtype)
+                         weight_mode, preserve_input=preserve_input, device=device, dtype=dtype)
         self.group = group
 
     def set_group(self, group: Optional[Any]) -> None:
@@ -234,5 +242,5 @@ class InPlaceABNSync(InPlaceABN):
         momentum, training, running_mean, running_var, counter = self._batch_state()
         y = inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
                              self.eps, self.activation, self.activation_param, self.group, residual=residual,
-                             weight_mode=self.weight_mode)
+                             weight_mode=self.weight_mode, preserve_input=getattr(self, "preserve_input", False))
         return count_batch(y, counter)

@@ -316,10 +316,10 @@ class _InPlaceABNFunction(torch.autograd.Function):
 
 
 def _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
-                activation_param, weight_mode):
+                activation_param, weight_mode, writes_x=True):
     if not training and (running_mean is None or running_var is None):
         raise ValueError("inplace_abn: evaluation mode (training=False) needs running_mean and running_var")
-    _check_common("inplace_abn", x, residual, eps, activation, activation_param, weight_mode, weight=weight,
+    _check_common("inplace_abn", x, residual, eps, activation, activation_param, weight_mode, writes_x, weight=weight,
                   bias=bias, running_mean=running_mean, running_var=running_var)
 
 
@@ -443,12 +443,13 @@ def _standard_ops(x, weight, bias, running_mean, running_var, training, momentum
 
 
 def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation, activation_param,
-           residual, weight_mode, group, counter=None):
+           residual, weight_mode, group, counter=None, preserve_input=False):
     """The in-place layer (`inplace_abn`, `inplace_abn_sync`). ``counter``: the
     module's num_batches_tracked, to which 1 is added once the layer has run (by the
-    native op itself where it runs: one operator call less, docs/DESIGN.md 7.3)."""
+    native op itself where it runs: one operator call less, docs/DESIGN.md 7.3).
+    ``preserve_input``: the output in a new tensor (`inplace_abn`'s argument)."""
     _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
-                activation_param, weight_mode)
+                activation_param, weight_mode, writes_x=not preserve_input)
     if group is None and (torch.compiler.is_exporting() or torch.jit.is_tracing()):
         # Export: stock operators, the output is a new tensor (x is not overwritten).
         y = _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
@@ -458,6 +459,14 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
+    if preserve_input:
+        if group is None and not torch.compiler.is_compiling() and _layout_compatible(x) is not None \
+                and _backend.ops_for(x) is _backend.NATIVE:
+            # forward_ reads x and writes a new tensor: no copy pass (src/ops/autograd.cpp)
+            return _apply_native(x, weight, bias, running_mean, running_var, residual, bool(training), momentum,
+                                 float(eps), activation, float(activation_param), weight_mode == "signed", counter,
+                                 out_of_place=True)
+        x = x.clone()  # (the clone's grad_fn passes x's gradient through)
     args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
             float(activation_param), weight_mode == "signed", group)
     if group is None and _native_autograd(x, (x, weight, bias, residual)):
@@ -504,18 +513,20 @@ def _records_backward(differentiable) -> bool:
 
 
 def _apply_native(x, weight, bias, running_mean, running_var, residual, training, momentum, eps, activation,
-                  activation_param, signed, counter=None):
+                  activation_param, signed, counter=None, out_of_place=False):
     invertible, act = _activation_code(activation, activation_param)
     if training:
         C = x.shape[1]
         check_count(x.numel() // C if C else 0, x.shape)
     if residual is not None:
         residual = _like_layout(residual, x)
-    return _NATIVE_ABN(x, weight, bias, running_mean, running_var, residual, training, momentum, eps, act,
-                       activation_param, signed, not invertible, counter)
+    return (_NATIVE_ABN_OUT if out_of_place else _NATIVE_ABN)(
+        x, weight, bias, running_mean, running_var, residual, training, momentum, eps, act, activation_param, signed,
+        not invertible, counter)
 
 
 _NATIVE_ABN = torch.ops.inplace_abn.inplace_abn_.default if _backend.HAS_NATIVE else None
+_NATIVE_ABN_OUT = torch.ops.inplace_abn.inplace_abn.default if _backend.HAS_NATIVE else None
 
 
 class _NoGradCtx:
@@ -542,6 +553,7 @@ def inplace_abn(
     *,
     residual: Optional[torch.Tensor] = None,
     weight_mode: str = "abs",
+    preserve_input: bool = False,
 ) -> torch.Tensor:
     """In-Place Activated Batch Normalization.
 
@@ -570,23 +582,33 @@ def inplace_abn(
         residual: optional tensor shaped like x added before the activation,
             sharing no memory with x; it receives the gradient dL/dz.
         weight_mode: ``"abs"`` (default) or ``"signed"``.
+        preserve_input: leave x as it is and return the output in a new
+            tensor of x's shape and memory layout. The backward still keeps
+            only the output, so this saves the same memory as the in-place
+            form: for an x that is read again after the layer (the shortcut
+            of a pre-activation residual block). With the native kernels
+            (eager, contiguous or channels-last x) it costs no extra pass over
+            memory; elsewhere (torch.compile, the pure backend, other strides)
+            the layer runs in place on a copy of x.
 
     Returns:
-        x itself, holding the output. An empty batch (N = 0 or a spatial size
-        0) in training gives the empty output and leaves the running
-        statistics unchanged, as torch.nn.BatchNorm does.
+        x itself, holding the output (a new tensor with ``preserve_input``).
+        An empty batch (N = 0 or a spatial size 0) in training gives the
+        empty output and leaves the running statistics unchanged, as
+        torch.nn.BatchNorm does.
 
     Raises, before anything is written or updated: for an x that autograd
     would not let an in-place op modify (a leaf or a view of a leaf that
     requires grad, a view from split/unbind or made under no_grad, an
     inference tensor outside inference mode), an x whose elements share
     memory (expand()), a residual sharing memory with x, and any tensor
-    carrying a forward-mode AD tangent. The backward raises under
+    carrying a forward-mode AD tangent (only the last with ``preserve_input``,
+    which writes nothing to x). The backward raises under
     ``create_graph=True``: it is not differentiable (use `ABN` for double
     backward, e.g. gradient penalties).
     """
     return _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
-                  activation_param, residual, weight_mode, None)
+                  activation_param, residual, weight_mode, None, preserve_input=preserve_input)
 
 
 _warned_no_dist = False
@@ -607,8 +629,10 @@ def inplace_abn_sync(
     *,
     residual: Optional[torch.Tensor] = None,
     weight_mode: str = "abs",
+    preserve_input: bool = False,
 ) -> torch.Tensor:
-    """`inplace_abn` with batch statistics computed over a process group.
+    """`inplace_abn` with batch statistics computed over a process group
+    (``preserve_input`` as there; a synchronised call runs in place on a copy).
 
     Every rank of ``group`` (default: the world) must call it, in the same
     order, and run its backward; inputs may differ in batch and spatial size,
@@ -664,7 +688,7 @@ def inplace_abn_sync(
         group = _distributed.resolve_group(group) if training else None
     return (_apply if group is None else _apply_synced)(x, weight, bias, running_mean, running_var, training,
                                                         momentum, eps, activation, activation_param, residual,
-                                                        weight_mode, group)
+                                                        weight_mode, group, preserve_input=preserve_input)
 
 
 # torch.compile: a synchronised training call runs eagerly, as one unit (one

@@ -315,6 +315,35 @@ def _abnsync_exact(rank, group):
     return dict(errors=out)
 
 
+@scenario("preserve-input", 2)
+def _preserve_input(rank, group):
+    """InPlaceABNSync(preserve_input=True) on a leaf that requires grad (an in-place layer
+    would refuse it): x unchanged, a new output, and the results of ABN on the concatenated
+    batch (float64)."""
+    C, act = 5, "leaky_relu"
+    d = global_batch(2, "4d", C, _seed("preserve-input"))
+    layer = InPlaceABNSync(C, activation=act, activation_param=PARAM[act], group=group, weight_mode="signed",
+                           preserve_input=True).double()
+    ref = ABN(C, activation=act, activation_param=PARAM[act]).double()
+    with torch.no_grad():
+        for m in (layer, ref):
+            m.weight.copy_(d["w"]), m.bias.copy_(d["b"])
+    x0 = d["xs"][rank].clone().requires_grad_()
+    y = layer(x0)
+    # (an empty sample has no storage to compare)
+    unchanged = [bool(torch.equal(x0.detach(), d["xs"][rank])), x0.numel() == 0 or y.data_ptr() != x0.data_ptr()]
+    g = torch.autograd.grad(y, [x0], d["dys"][rank].double())
+    xr = flat([x.double() for x in d["xs"]], C).requires_grad_()
+    with torch.no_grad():  # the signed mode's scale sign(w)(|w| + eps), as the reference's weight
+        ref.weight.copy_(torch.sign(d["w"]) * (d["w"].abs() + layer.eps))
+    yr = ref(xr)
+    gr = torch.autograd.grad(yr, [xr], flat([t.double() for t in d["dys"]], C))
+    lo = sum(t.numel() // C for t in d["xs"][:rank])
+    sl = slice(lo, lo + x0.numel() // C)
+    parts = {"y": _sq(flat([y], C), yr.detach()[:, :, sl]), "dx": _sq(flat([g[0]], C), gr[0][:, :, sl])}
+    return dict(errors=global_rel_errs(parts, group), unchanged=unchanged)
+
+
 # ---- DistributedDataParallel training --------------------------------------------------
 
 def _net():

@@ -107,6 +107,12 @@ def test_abn_sync_is_exactly_abn(runs):
         assert max(errs.values()) < TOL[case.split("-")[1]], (case, errs)
 
 
+def test_sync_preserve_input_matches_one_process(runs):
+    for rep in reports(runs, "preserve-input", 2).values():
+        assert rep["unchanged"] == [True, True], rep  # x as it was, a new output
+        assert max(rep["errors"].values()) < 1e-10, rep["errors"]
+
+
 def test_ddp_training(runs):
     """2 ranks, uneven micro-batches, gradient accumulation with no_sync, buffers broadcast:
     loss goes down, parameters and buffers equal on both ranks and equal to one process

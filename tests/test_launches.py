@@ -50,6 +50,10 @@ def test_training_call_counts(activation, param, fmt):
     fwd, bwd, fr, br = _counted(layer, x, torch.randn_like(x))
     assert fwd == ["inplace_abn.batch_stats.default", "inplace_abn.forward_.default"], fwd
     assert layer.num_batches_tracked.item() == 1 and layer.num_batches_tracked._version == version + 1
+    # preserve_input: the output's allocation, and no copy of x (forward_ reads it)
+    out = InPlaceABN(16, activation=activation, activation_param=param, preserve_input=True)
+    pfwd, pbwd, _, _ = _counted(out, x, torch.randn_like(x))
+    assert pfwd == ["inplace_abn.batch_stats.default", "aten.empty_like.default", "inplace_abn.forward_.default"], pfwd
     if activation == "silu":
         # the z path (docs/DESIGN.md section 7.2): z is allocated as dx's buffer one pass early
         # (an allocation, no kernel), and the second pass skips the inversion

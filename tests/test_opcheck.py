@@ -65,6 +65,8 @@ def test_opcheck_composite_layer(act, fmt, training):
             torch.zeros((), dtype=torch.long))
     for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
         torch.library.opcheck(torch.ops.inplace_abn.inplace_abn_.default, args, test_utils=util)
+        # out of place (preserve_input): x is not mutated, the running statistics are
+        torch.library.opcheck(torch.ops.inplace_abn.inplace_abn.default, args, test_utils=util)
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -74,6 +76,7 @@ def test_opcheck_composite_groupnorm_layer(act):
     args = (x.clone(), w.requires_grad_(), b.requires_grad_(), r.requires_grad_(), 5, 1e-5, act, p, False)
     for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
         torch.library.opcheck(torch.ops.inplace_abn.inplace_agn_.default, args, test_utils=util)
+        torch.library.opcheck(torch.ops.inplace_abn.inplace_agn.default, args, test_utils=util)
 
 
 def test_opcheck_optional_affine_and_half():

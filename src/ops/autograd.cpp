@@ -5,8 +5,8 @@
 // come here and save the Python autograd.Function and five Python-level op
 // calls: about 25 us of host time per training step (docs/DESIGN.md section 7.3).
 // The argument checks stay in Python (they raise before anything is written).
-// inplace_agn_ does the same for the GroupNorm layer (section 10), and inplace_agn
-// for its out-of-place form.
+// inplace_agn_ does the same for the GroupNorm layer (section 10); inplace_abn and
+// inplace_agn are the two layers out of place (preserve_input).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -106,12 +106,14 @@ void count_batch(const at::Tensor& counter) {
   }
 }
 
+// out_of_place (inplace_abn, the op without the underscore): y in a new tensor, x
+// read as forward_'s source and left as it is (as InPlaceAGNFunction below).
 struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
-  // relu: the non-invertible activation (act must be 0): z is kept, x gets max(z, 0)
+  // relu: the non-invertible activation (act must be 0): z is kept, y gets max(z, 0)
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
                             const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
                             bool training, double momentum, double eps, int64_t act, double param,
-                            bool signed_weight, bool relu, const OptTensor& num_batches_tracked) {
+                            bool signed_weight, bool relu, const OptTensor& num_batches_tracked, bool out_of_place) {
     at::Tensor mean, var;
     if (training) {  // (the count check is the caller's; batch_stats moves the running statistics)
       std::tie(mean, var) = ops().stats.call(x, running_mean, running_var, momentum, 0);
@@ -121,23 +123,24 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
       mean = *running_mean;
       var = running_var->clone();
     }
-    at::Tensor saved = x, mask;
+    const at::Tensor y = out_of_place ? at::empty_like(x, at::MemoryFormat::Preserve) : x;
+    const OptTensor source = out_of_place ? OptTensor(x) : std::nullopt;
+    at::Tensor saved = y, mask;
     if (relu) {  // z in the accumulation dtype, in x's layout (docs/DESIGN.md section 3)
       saved = at::empty_like(x, x.options().dtype(acc_type_of(x.scalar_type())));
-      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, saved, 0,
-                            std::nullopt);
+      mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight, saved, 0, source);
     } else {
-      mask = ops().fwd.call(x, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0,
-                             std::nullopt);
+      mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0,
+                            source);
     }
     if (num_batches_tracked.has_value()) count_batch(*num_batches_tracked);
     const int64_t C = x.size(1);
     const Edges e(weight, bias, running_mean, running_var, residual);
-    save(ctx, x, saved, var, weight, bias, residual, mask,
+    save(ctx, out_of_place ? at::Tensor() : x, saved, var, weight, bias, residual, mask,
          {act, C ? x.numel() / C : 0, static_cast<int64_t>(x.scalar_type()), e.weight, e.bias, e.residual, training,
           signed_weight, relu},
          eps, param);
-    return x;
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -184,7 +187,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     if (need_b) db = cast(sum_gz, bias.scalar_type());
     // one entry per forward argument
     return {dx, dw, db, at::Tensor(), at::Tensor(), dr, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -239,27 +242,24 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
   }
 };
 
-at::Tensor inplace_agn_(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                        const OptTensor& residual, int64_t groups, double eps, int64_t activation,
-                        double activation_param, bool signed_weight) {
+// The layers' operators: inplace_abn_ / inplace_agn_ (kOutOfPlace = false) and
+// inplace_abn / inplace_agn (true, preserve_input).
+template <bool kOutOfPlace>
+at::Tensor agn_layer(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
+                     int64_t groups, double eps, int64_t activation, double activation_param, bool signed_weight) {
   return InPlaceAGNFunction::apply(x, weight, bias, residual, groups, eps, activation, activation_param,
-                                   signed_weight, false);
+                                   signed_weight, kOutOfPlace);
 }
 
-at::Tensor inplace_agn(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                       const OptTensor& residual, int64_t groups, double eps, int64_t activation,
-                       double activation_param, bool signed_weight) {
-  return InPlaceAGNFunction::apply(x, weight, bias, residual, groups, eps, activation, activation_param,
-                                   signed_weight, true);
-}
-
-at::Tensor inplace_abn_(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                        const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
-                        bool training, double momentum, double eps, int64_t activation, double activation_param,
-                        bool signed_weight, bool relu, const OptTensor& num_batches_tracked) {
+template <bool kOutOfPlace>
+at::Tensor abn_layer(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                     const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
+                     bool training, double momentum, double eps, int64_t activation, double activation_param,
+                     bool signed_weight, bool relu, const OptTensor& num_batches_tracked) {
   TORCH_CHECK(!relu || activation == 0, "inplace_abn: relu=True needs activation 0 (identity), got ", activation);
   return InPlaceABNFunction::apply(x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
-                                   activation, activation_param, signed_weight, relu, num_batches_tracked);
+                                   activation, activation_param, signed_weight, relu, num_batches_tracked,
+                                   kOutOfPlace);
 }
 
 // What autograd would have to differentiate: an input requiring grad (with grad
@@ -301,9 +301,10 @@ struct NoGrad<R(A...)> {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(inplace_abn, CompositeImplicitAutograd, m) {
-  m.impl("inplace_abn_", &inplace_abn_);
-  m.impl("inplace_agn_", &inplace_agn_);
-  m.impl("inplace_agn", &inplace_agn);
+  m.impl("inplace_abn_", &abn_layer<false>);
+  m.impl("inplace_abn", &abn_layer<true>);
+  m.impl("inplace_agn_", &agn_layer<false>);
+  m.impl("inplace_agn", &agn_layer<true>);
 }
 
 TORCH_LIBRARY_IMPL(inplace_abn, Autograd, m) {

@@ -63,14 +63,19 @@ TORCH_LIBRARY(inplace_abn, m) {
       "inplace_abn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
       "Tensor? residual, bool training, float momentum, float eps, int activation, float activation_param, "
       "bool signed_weight, bool relu=False, Tensor(d!)? num_batches_tracked=None) -> Tensor(a!)");
+  // The same layer out of place (preserve_input): y in a new tensor in x's layout,
+  // x left as it is, y alone kept for backward, for an input read again after it.
+  m.def(
+      "inplace_abn(Tensor x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
+      "Tensor? residual, bool training, float momentum, float eps, int activation, float activation_param, "
+      "bool signed_weight, bool relu=False, Tensor(d!)? num_batches_tracked=None) -> Tensor");
   // The GroupNorm layer on a contiguous x with its autograd in C++ (the BatchNorm
   // operators in their GroupNorm mode; docs/DESIGN.md section 10).
   m.def(
       "inplace_agn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
       "int activation, float activation_param, bool signed_weight) -> Tensor(a!)");
-  // The same layer out of place: y in a new tensor (x's shape and layout), x left
-  // as it is, and still only y kept for backward: for an input that is read again
-  // (a diffusers ResnetBlock2D's norm1, whose block input the shortcut reads).
+  // The same layer out of place (preserve_input), as inplace_abn: for an input read
+  // again after it (a diffusers ResnetBlock2D's norm1, whose block input the shortcut reads).
   m.def(
       "inplace_agn(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
       "int activation, float activation_param, bool signed_weight) -> Tensor");
