@@ -451,6 +451,27 @@ def find_candidates(bn: fx.Node, modules, relu_to, residual: bool, standalone: b
     return found, notes
 
 
+NOT_A_TENSOR = "its input is not a tensor"
+
+
+def can_preserve(bn: fx.Node, problem: str) -> bool:
+    """Whether a norm whose input may not be overwritten (``problem``, from a safety's
+    input_problem) can still become a layer with preserve_input: its input is a tensor."""
+    return bool(bn.args) and isinstance(bn.args[0], fx.Node) and not problem.startswith(NOT_A_TENSOR)
+
+
+def preserve_candidates(bn: fx.Node, candidates: List[Candidate], notes: List[str], safety) -> List[Candidate]:
+    """The candidates a preserve_input layer may take. A fused add moves the norm's call to
+    the add's place (`convert._rewrite`): only where nothing writes its input in between."""
+    writer = safety.modified_in_place(bn.args[0])
+    if writer is None:
+        return candidates
+    kept = [c for c in candidates if c.add is None]
+    if len(kept) < len(candidates):
+        notes.append(f"no fused add: its input is modified in place later by {writer}")
+    return kept
+
+
 def choose(bn: fx.Node, candidates: List[Candidate], notes: List[str], safety) -> Optional[Candidate]:
     """The first candidate whose output (and shortcut) nothing modifies in place later;
     the reasons for skipping the others are appended to ``notes``."""
@@ -481,7 +502,7 @@ class StaticSafety:
     def modified_in_place(self, node: fx.Node) -> Optional[str]:
         return _modified_in_place(node, self.modules)
 
-    def converted(self, bn: fx.Node, chosen: "Candidate") -> None:
+    def converted(self, bn: fx.Node, chosen: "Candidate", preserve: bool = False) -> None:
         pass  # a converted layer is not a fresh-tensor operation: later inputs from it are left anyway
 
 
@@ -583,7 +604,7 @@ class RunSafety:
             keys = rec.returns.get(x.name, set())
             where = f" (in {run.mode} mode)"
             if not keys:
-                return "its input is not a tensor" + where
+                return NOT_A_TENSOR + where
             if keys & run.inputs:
                 return "its input is a model input (the caller's tensor would be overwritten)"
             if keys & run.state:
@@ -608,9 +629,11 @@ class RunSafety:
                     return self._describe(n)
         return None
 
-    def converted(self, bn: fx.Node, chosen: "Candidate") -> None:
-        """Record what the new layer saves: its input's memory (which becomes its output) and the shortcut."""
+    def converted(self, bn: fx.Node, chosen: "Candidate", preserve: bool = False) -> None:
+        """Record what the new layer saves: its input's memory (which becomes its output, unless
+        ``preserve``: a new tensor) and the shortcut."""
         for run, kept in zip(self.runs, self.kept):
-            for n in (bn.args[0], chosen.output(bn), chosen.shortcut):
+            for n in ((chosen.output(bn), chosen.shortcut) if preserve else (bn.args[0], chosen.output(bn),
+                                                                               chosen.shortcut)):
                 if n is not None:
                     kept |= run.rec.returns.get(n.name, set())

@@ -23,8 +23,8 @@ ELU (alpha kept) or SiLU, as a module (``nn.ReLU(inplace=True)`` too), a
 function (``F.relu``, ``torch.relu``, ``F.silu``, ``F.leaky_relu``, ``F.elu``,
 their ``_`` variants) or a method (``x.relu()``).
 
-Every converted layer overwrites its input ``x`` and keeps only its output
-(and ``r``) for backward. So a call is converted only when that is safe:
+Every converted layer keeps only its output (and ``r``) for backward, and
+overwrites its input ``x`` when that is safe:
 
 - ``x`` has no reader but the BatchNorm, is not a model input, and comes from
   an operation known to return a fresh tensor that its own backward does not
@@ -49,13 +49,18 @@ output and shortcut must not be written in place (version counters) later.
 That judgement holds for inputs like the examples (a ``reshape`` may copy
 or not depending on strides).
 
+Where it is not, a call that fuses an activation or an add still becomes a
+layer, with ``preserve_input=True`` (its output in a new tensor; the report's
+note says why); one without anything to fuse is left (a standalone layer
+beside an input kept alive would save more, not less).
+
 Whatever is not converted stays as it was; the `ConversionReport` says what
 was converted and why the rest was left.
 
 Known blocks that torch.fx cannot trace are rewritten at module level first
 (`inplace_abn._convert_diffusers`, imported only when diffusers is): each
 diffusers ``ResnetBlock2D`` (norm1 -> nonlinearity and norm2 -> nonlinearity,
-norm1 on a clone of the block input, which the shortcut reads) and the
+norm1 with ``preserve_input``: the shortcut reads the block input) and the
 ``conv_norm_out -> conv_act`` of ``UNet2DModel`` / ``UNet2DConditionModel``.
 The report lists those blocks in ``rewritten``; when the model itself cannot
 be traced after that, its submodules are converted one by one instead of
@@ -444,19 +449,33 @@ def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
         elsewhere = job.calls.get(id(modules[target]), 0) - calls[target]
         reason = analysis.module_problem(bn, modules, calls) or (
             f"it is also called by another traced forward ({elsewhere} call{'s' if elsewhere > 1 else ''})"
-            if elsewhere > 0 else None) or safety.input_problem(bn)
+            if elsewhere > 0 else None)
         if reason:
             report.left.append(LeftLayer(prefix + target, reason))
             continue
-        candidates, notes = analysis.find_candidates(bn, modules, job.relu_to, job.residual, job.standalone)
+        # An input that may not be overwritten: the layer with preserve_input (its output in a
+        # new tensor, still the only tensor it keeps), where it fuses an activation or an add
+        keep_input = safety.input_problem(bn)
+        if keep_input is not None and not analysis.can_preserve(bn, keep_input):
+            report.left.append(LeftLayer(prefix + target, keep_input))
+            continue
+        # (no standalone layer then: a new output beside an input kept alive would save more)
+        candidates, notes = analysis.find_candidates(bn, modules, job.relu_to, job.residual,
+                                                     job.standalone and keep_input is None)
+        if keep_input is not None:
+            candidates = analysis.preserve_candidates(bn, candidates, notes, safety)
         chosen = analysis.choose(bn, candidates, notes, safety)
         if chosen is None:
-            report.left.append(LeftLayer(prefix + target, "; ".join(notes) if notes else "nothing to fuse"))
+            why = "; ".join(notes) if notes else "nothing to fuse"
+            report.left.append(LeftLayer(prefix + target, f"{keep_input}; {why}" if keep_input else why))
             continue
         layer, small = make_layer(modules[target], chosen.activation, chosen.param)
+        if keep_input is not None:
+            layer.preserve_input = True
+            notes.insert(0, f"preserve_input: {keep_input}")
         analysis.set_submodule(gm, target, layer)
         modules[target] = layer
-        safety.converted(bn, chosen)
+        safety.converted(bn, chosen, preserve=keep_input is not None)
         _rewrite(gm, bn, chosen)
         report.converted.append(ConvertedLayer(prefix + target, chosen.pattern, chosen.activation, chosen.param,
                                                chosen.source, "; ".join(notes), small))

@@ -261,7 +261,7 @@ class Awkward(nn.Module):
         y = F.leaky_relu(y, 0.1) + y  # output read twice: not fused
         z = F.gelu(self.bn_gelu(self.conv2(y)))  # GELU: not an invertible activation
         d = self.conv3(z)
-        e = F.leaky_relu(self.bn_input_reused(d), 0.1) * d  # input read again: left
+        e = F.leaky_relu(self.bn_input_reused(d), 0.1) * d  # input read again: preserve_input
         f = self.bn_shared(self.conv4(e))
         f = self.bn_shared(F.leaky_relu(f, 0.1))  # one module called twice: left
         g = F.leaky_relu(self.bn_modified_later(self.conv5(f)), 0.1)
@@ -275,19 +275,22 @@ def test_unconvertible_patterns_are_left_and_reported():
     model = _randomize_bn(Awkward()).double()
     conv, report = convert_model(model, standalone=False, return_report=True)
     left = {x.name: x.reason for x in report.left}
-    assert set(left) == {"bn_on_input", "bn_twice", "bn_gelu", "bn_input_reused", "bn_shared",
-                         "bn_modified_later", "batch_norm"}, left
-    assert "model input" in left["bn_on_input"]
+    assert set(left) == {"bn_on_input", "bn_twice", "bn_gelu", "bn_shared", "bn_modified_later", "batch_norm"}, left
+    # a model input followed by a conv: no activation to fuse, and no standalone layer beside a kept input
+    assert "model input" in left["bn_on_input"] and "Conv2d" in left["bn_on_input"]
     assert "2 readers" in left["bn_twice"]
     assert "gelu" in left["bn_gelu"]
-    assert "also read by" in left["bn_input_reused"]
     assert "called 2 times" in left["bn_shared"]
     assert "in place" in left["bn_modified_later"]
     assert "functional" in left["batch_norm"]
-    assert [c.name for c in report.converted] == ["bn_ok"]
+    # its input is read again (by the product): converted with preserve_input
+    reused, ok = report.converted
+    assert (reused.name, reused.pattern, ok.name) == ("bn_input_reused", "bn+act", "bn_ok")
+    assert reused.note.startswith("preserve_input: its input is also read by"), reused.note
+    assert conv.get_submodule("bn_input_reused").preserve_input and not conv.get_submodule("bn_ok").preserve_input
     text = str(report)
-    assert "converted 1 BatchNorm" in text and "left 7" in text and "bn_twice" in text
-    for name in ("bn_on_input", "bn_twice", "bn_gelu", "bn_input_reused", "bn_shared", "bn_modified_later"):
+    assert "converted 2 BatchNorm" in text and "left 6" in text and "bn_twice" in text
+    for name in ("bn_on_input", "bn_twice", "bn_gelu", "bn_shared", "bn_modified_later"):
         assert type(conv.get_submodule(name)) is nn.BatchNorm2d
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
     for training in (True, False):
@@ -305,10 +308,47 @@ def test_bn_output_used_twice_is_not_fused():
     assert "2 readers" in by_name["bn_twice"].note
     assert by_name["bn_gelu"].pattern == "bn"
     assert by_name["bn_modified_later"].pattern == "bn" and "in place" in by_name["bn_modified_later"].note
+    assert by_name["bn_input_reused"].pattern == "bn+act" and "preserve_input" in by_name["bn_input_reused"].note
     left = {x.name for x in report.left}
-    assert left == {"bn_on_input", "bn_input_reused", "bn_shared", "batch_norm"}
+    assert left == {"bn_on_input", "bn_shared", "batch_norm"}
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
     _assert_equivalent(model, conv, x)
+
+
+class PreActBlock(nn.Module):
+    """x + conv2(act(bn2(conv1(act(bn1(x)))))): bn1's input is read again by the add."""
+
+    def __init__(self, C=8):
+        super().__init__()
+        self.bn1, self.conv1 = nn.BatchNorm2d(C), nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.bn2, self.conv2 = nn.BatchNorm2d(C), nn.Conv2d(C, C, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        h = self.conv1(F.leaky_relu(self.bn1(x), 0.1))
+        return x + self.conv2(F.leaky_relu(self.bn2(h), 0.1))
+
+
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["tables", "run"])
+def test_pre_activation_blocks_convert_with_preserve_input(with_inputs):
+    """bn1 (input read again by the shortcut add) becomes a layer with preserve_input, bn2
+    an in-place one, with stock's results in float64. Stock saves six tensors per block:
+    each BatchNorm's input, each leaky_relu's input (the BN output) and each conv's input;
+    converted, the two layers' outputs (the convs' inputs). Leaving bn1 stock, as before
+    preserve_input, kept x and bn1's output too."""
+    torch.manual_seed(0)
+    C, blocks = 8, 3
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(3, C, 3, padding=1), *[PreActBlock(C) for _ in range(blocks)]))
+    x = torch.randn(2, 3, 12, 12)
+    conv, report = convert_model(model.double(), example_inputs=(x.double(),) if with_inputs else None,
+                                 return_report=True)
+    assert report.counts() == {"bn+act": 2 * blocks, "left": 0}, report
+    for k in range(1, blocks + 1):
+        assert conv.get_submodule(f"{k}.bn1").preserve_input and not conv.get_submodule(f"{k}.bn2").preserve_input
+    for training in (True, False):
+        _assert_equivalent(model, conv, x.double(), training=training)
+    model, conv = model.float(), conv.float()
+    t = 2 * C * 12 * 12 * 4
+    assert model_saved_bytes(model, x) - model_saved_bytes(conv, x) == pytest.approx(4 * t * blocks, abs=64 * C)
 
 
 class Broadcast(nn.Module):

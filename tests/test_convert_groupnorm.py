@@ -115,8 +115,11 @@ def test_traced_groupnorm_patterns_match_stock_in_float64(with_inputs):
     assert found["2.gn_relu"].activation == "leaky_relu" and found["2.gn_relu"].activation_param == 0.01
     assert found["2.gn_elu"].activation == "elu" and found["2.gn_elu"].activation_param == 0.5
     assert found["2.gn_silu"].activation == "silu"
-    (left,) = report.left
-    assert left.name == "2.gn_reread" and ("read again" in left.reason or "also read" in left.reason), left
+    # its input is read again (by the mean): converted with preserve_input
+    reread = found["2.gn_reread"]
+    assert not report.left and reread.pattern == "gn+act", report
+    assert reread.note.startswith("preserve_input: ") and ("read again" in reread.note or "also read" in reread.note)
+    assert converted.get_submodule("2.gn_reread").preserve_input
     assert isinstance(converted.get_submodule("1.gn2"), InPlaceAGN)
     assert converted.get_submodule("1.gn2").weight_mode == "signed"
     assert "GroupNorm layers to InPlaceAGN" in report.summary()
@@ -145,7 +148,7 @@ def test_groupnorm_conversion_saves_memory():
     assert stock_b - conv_b >= 2 * 2 * act * 0.95, (stock_b, conv_b)
 
 
-def test_unsafe_and_functional_groupnorms_are_left_with_reasons():
+def test_unsafe_groupnorms_keep_their_input_functional_ones_are_left():
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -159,14 +162,19 @@ def test_unsafe_and_functional_groupnorms_are_left_with_reasons():
             z = F.silu(F.group_norm(y, 2))
             return F.silu(self.gn_in(x2)) + z  # x2 is a model input
 
-    x = torch.randn(2, 4, 6, 6)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    model = M().double()
     for inputs in (None, (x, x.clone())):
-        _, report = convert_model(M(), example_inputs=inputs, return_report=True)
+        converted, report = convert_model(model, example_inputs=inputs, return_report=True)
         reasons = {x.name: x.reason for x in report.left}
-        assert not report.converted
-        assert "read" in reasons["gn"], reasons
-        assert "functional group_norm" in reasons["group_norm"], reasons
-        assert "model input" in reasons["gn_in"], reasons
+        assert list(reasons) == ["group_norm"] and "functional group_norm" in reasons["group_norm"], reasons
+        notes = {c.name: c.note for c in report.converted}
+        assert "preserve_input: " in notes["gn"] and "read" in notes["gn"], notes
+        assert "preserve_input: " in notes["gn_in"] and "model input" in notes["gn_in"], notes
+        x2 = x.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(converted(x, x2), model(x, x2), rtol=1e-12, atol=1e-12)
+        assert torch.equal(x2, x)  # the caller's tensor is not written
 
 
 # ---- diffusers -----------------------------------------------------------------------------------

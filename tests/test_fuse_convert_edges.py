@@ -301,18 +301,22 @@ _EDGE_MODELS = [("expand", _Expanded, (1, 3, 5, 5))] + [
 def test_convert_expanded_or_output_saving_input_trains_like_stock(name, make, shape, with_inputs):
     """Before: an expanded input raised in the converted model (train and eval),
     and after amax/amin/norm/std the training backward raised (their output,
-    saved for their backward, was overwritten). Now such BatchNorms are left,
-    the rest converted, and the model equals stock in float64."""
+    saved for their backward, was overwritten). Now such BatchNorms become
+    layers with preserve_input (x is not written), the rest in-place layers,
+    and the model equals stock in float64."""
     torch.manual_seed(0)
     model = _randomize_bn(make()).double()
     x = torch.randn(*shape, dtype=torch.float64)
     conv, report = convert_model(model, example_inputs=(x,) if with_inputs else None, return_report=True)
+    assert report.counts() == {"bn+act": 1, "left": 0}
+    (layer,) = report.converted
     if name in ("expand", "amax", "amin", "norm", "std"):
-        (left,) = report.left
-        assert ("expanded" if name == "expand" else "saved for backward" if with_inputs else "not known") \
-            in left.reason, left.reason
+        assert layer.note.startswith("preserve_input: ") and (
+            "expanded" if name == "expand" else "saved for backward" if with_inputs else "not known") \
+            in layer.note, layer.note
+        assert conv.get_submodule("bn").preserve_input
     else:
-        assert report.counts() == {"bn+act": 1, "left": 0}
+        assert not layer.note and not conv.get_submodule("bn").preserve_input
     for training in (True, False):
         _assert_equivalent(model, conv, x, training=training)
 
@@ -337,14 +341,16 @@ def test_convert_with_example_inputs_derives_safety_from_autograd():
     model = _randomize_bn(_Unlisted()).double()
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     conv, report = convert_model(model, example_inputs=(x,), return_report=True)
-    assert [c.name for c in report.converted] == ["bns.0"]
-    left = {x.name: x.reason for x in report.left}
-    assert "saved for backward by exp" in left["bns.1"], left
-    assert "saved for backward by sigmoid" in left["bns.2"], left
+    # bns.1 and bns.2 read outputs that exp and sigmoid save: preserve_input
+    notes = {c.name: c.note for c in report.converted}
+    assert list(notes) == ["bns.0", "bns.1", "bns.2"] and not report.left and not notes["bns.0"]
+    assert "preserve_input: its input's memory is saved for backward by exp" in notes["bns.1"], notes
+    assert "preserve_input: its input's memory is saved for backward by sigmoid" in notes["bns.2"], notes
     for training in (True, False):
         _assert_equivalent(model, conv, x, training=training)
     _, static = convert_model(model, return_report=True)
-    assert not static.converted  # the tables know none of the three
+    # the tables know none of the three: all with preserve_input
+    assert all(c.note.startswith("preserve_input: ") for c in static.converted) and len(static.converted) == 3
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
