@@ -1,5 +1,6 @@
 """The core test matrix on the GPU (skipped cleanly without one): CUDA kernels
 against stock float64 BatchNorm + activation, and CPU-vs-GPU agreement."""
+import copy
 import warnings
 
 import pytest
@@ -138,3 +139,32 @@ def test_cuda_relu_one_pass_and_eval_agree_with_cpu(fmt, training):
                                               layer.running_var)]
     for a, b in zip(out["cpu"], out["cuda"]):
         assert rel_err(b, a) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("activation", ACTIVATIONS + ["relu"])
+def test_cuda_preserve_input_is_the_in_place_layer(activation, fmt):
+    """preserve_input on the GPU (forward_kernel reading its source pointer): x untouched,
+    and bit for bit the in-place layer on a copy, for the BatchNorm and GroupNorm layers."""
+    g = torch.Generator().manual_seed(len(activation))
+    x_cpu = torch.randn(4, 8, 6, 5, generator=g) * 1.5 + 0.3
+    dy = torch.randn(x_cpu.shape, generator=g).cuda().contiguous(memory_format=fmt)
+    p = PARAM.get(activation, 0.0)
+    for make in (lambda: inplace_abn.InPlaceABN(8, activation=activation, activation_param=p),
+                 lambda: inplace_abn.InPlaceAGN(4, 8, activation=activation, activation_param=p)):
+        torch.manual_seed(0)
+        base = make().cuda()
+        results = []
+        for preserve in (True, False):
+            layer = copy.deepcopy(base)
+            layer.preserve_input = preserve
+            x0 = x_cpu.cuda().contiguous(memory_format=fmt).requires_grad_()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # relu's "saves no memory"
+                y = layer(x0 if preserve else x0.clone(memory_format=torch.preserve_format))
+            if preserve:
+                assert torch.equal(x0.detach().cpu(), x_cpu) and y.data_ptr() != x0.data_ptr()
+            grads = torch.autograd.grad(y, [x0, layer.weight, layer.bias], dy)
+            results.append([y.detach(), *grads])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
