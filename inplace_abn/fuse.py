@@ -289,8 +289,10 @@ def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool =
                 if guard is not None:  # proven by an nn.Sequential only: refuse any other use at run time
                     guard[0].install(guard[1], conv, folded)
             else:
-                # An in-place layer overwrote x: keep doing so unless the graph shows nothing reads x later.
-                write = isinstance(layer, InPlaceABN) and id(layer) not in silent
+                # An in-place layer overwrote x: keep doing so unless the graph shows nothing reads x later
+                # (a preserve_input layer never wrote x: its input is read again)
+                write = (isinstance(layer, InPlaceABN) and not getattr(layer, "preserve_input", False)
+                         and id(layer) not in silent)
                 dtype = layer.running_mean.dtype
                 folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param, write)
             folded.train(False)

@@ -158,6 +158,32 @@ def test_fuse_traced_inplace_layer_input_read_again(fold_conv):
         assert rel_err(fused(x), ref) < 1e-12
 
 
+@pytest.mark.parametrize("fold_conv", [True, False])
+def test_fuse_preserve_input_layer_leaves_its_input(fold_conv):
+    """An InPlaceABN with preserve_input never wrote its input, which is read again:
+    the folded layer returns a new tensor (write_input off), and the reader sees the input."""
+
+    class Shortcut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+            self.abn = InPlaceABN(4, activation="leaky_relu", activation_param=0.1, preserve_input=True)
+
+        def forward(self, x):
+            h = self.conv(x)
+            return self.abn(h) + h
+
+    model = _randomise_abn(Shortcut()).double()
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        h = model.conv(x)
+        ref = _stock_abn(model.abn, h) + h
+        assert rel_err(model.eval()(x), ref) < 1e-12  # the layer itself
+        fused = fuse_for_inference(model, fold_conv=fold_conv)
+        assert not fused.abn.write_input
+        assert rel_err(fused(x), ref) < 1e-12
+
+
 def test_fuse_traced_conv_weight_read_directly_not_folded():
     """fx path: a forward that also reads the conv's weight (F.conv2d(x, self.conv.weight))."""
 
