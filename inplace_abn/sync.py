@@ -207,7 +207,7 @@ def convert_sync(module: torch.nn.Module, process_group: Optional[Any] = None, a
     ``module`` with its layers replaced (or the new layer, if ``module`` is
     itself one); parameters and buffers are the same tensor objects, and
     activation, activation_param, eps, momentum, affine, track_running_stats,
-    weight_mode and the train/eval mode are kept.
+    weight_mode, preserve_input and the train/eval mode are kept.
 
     Args:
         module: a model (or a single layer).
@@ -229,7 +229,8 @@ def convert_sync(module: torch.nn.Module, process_group: Optional[Any] = None, a
     if isinstance(module, InPlaceABN):
         out = _adopt_state(
             InPlaceABNSync(module.num_features, group=process_group, weight_mode=module.weight_mode,
-                           **_common_kwargs(module)), module)
+                           preserve_input=getattr(module, "preserve_input", False), **_common_kwargs(module)),
+            module)
     elif isinstance(module, ABN):
         if abn == "exact":
             new = ABNSync(module.num_features, group=process_group, **_common_kwargs(module))

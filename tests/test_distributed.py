@@ -309,6 +309,9 @@ def test_convert_sync_single_layer_and_inplace_option():
     layer = convert_sync(abn, abn="inplace")
     assert type(layer) is InPlaceABNSync and layer.weight_mode == "signed" and layer.weight is abn.weight
     assert type(convert_sync(InPlaceABNSync(3))) is InPlaceABNSync
+    # an input read again stays unwritten in the synchronised layer
+    assert convert_sync(InPlaceABN(3, preserve_input=True)).preserve_input
+    assert not convert_sync(InPlaceABN(3)).preserve_input
     with pytest.raises(ValueError, match="abn must be 'exact' or 'inplace'"):
         convert_sync(abn, abn="approximate")
 
