@@ -33,6 +33,7 @@ new, ...) for --rounds rounds of --repeats steps each; the table gives the
 median over rounds per shape and the ratio new / old, with the CPU ISA.
 """
 import argparse
+import copy
 import ctypes
 import ctypes.util
 import json
@@ -105,7 +106,7 @@ def _interleaved(fns, repeats, warmup=10):
     return [statistics.median(t) for t in times], [f / repeats for f in faults]
 
 
-def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_only=False):
+def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_only=False, preserve=False):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     C = shape[1]
     src = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
@@ -124,6 +125,15 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
         return torch.autograd.grad(y, [leaf, bn.weight, bn.bias], dy)
 
     check_same_grads(run_ours(), run_stock(), f"{shape} {activation}")
+    ours_p = copy.deepcopy(ours)
+    ours_p.preserve_input = True
+
+    def run_preserve():  # the leaf itself: preserve_input neither writes nor refuses it
+        y = ours_p(leaf)
+        return torch.autograd.grad(y, [leaf, ours_p.weight, ours_p.bias], dy)
+
+    if preserve:
+        check_same_grads(run_preserve(), run_stock(), f"{shape} {activation} preserve_input")
 
     def run_clone():
         leaf.clone(memory_format=torch.preserve_format)
@@ -135,9 +145,11 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
     if ours_only:
         (t_clone, t_ours), _ = _interleaved([run_clone, run_ours], repeats)
         return t_ours - t_clone
-    (t_clone, t_ours, t_stock, t_floor), (_, f_ours, f_stock, _) = _interleaved(
-        [run_clone, run_ours, run_stock, run_floor], repeats)
-    return t_ours - t_clone, t_stock, t_floor, f_ours, f_stock
+    fns = [run_clone, run_ours, run_stock, run_floor] + ([run_preserve] if preserve else [])
+    times, (_, f_ours, f_stock, *_) = _interleaved(fns, repeats)
+    t_clone, t_ours, t_stock, t_floor = times[:4]
+    # preserve: preserve_input against the copy + in-place layer it replaces (clone included)
+    return (t_ours - t_clone, t_stock, t_floor, f_ours, f_stock) + ((times[4] / t_ours,) if preserve else ())
 
 
 def cases(quick, only=None):
@@ -201,6 +213,9 @@ def main():
     ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
     ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
     ap.add_argument("--shapes", help="these shapes instead of the default ones, e.g. 16x64x56x56,8x128x16x16")
+    ap.add_argument("--preserve", action="store_true",
+                    help="also time the layer with preserve_input=True on an input it must not write, against "
+                         "a copy of that input + the in-place layer (the copy included)")
     add_dtype_arg(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -219,14 +234,17 @@ def main():
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, {args.dtype}, backend={backend}, median of {args.repeats}, "
           f"allocator: {'freed memory kept (mallopt)' if kept else 'system defaults'}")
-    print("| shape | activation | layout | ours ms | stock ms | 4-clone ms | ours/floor | ours/stock | faults/step ours, stock |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    extra = " preserve_input / (copy + in-place) |" if args.preserve else ""
+    print("| shape | activation | layout | ours ms | stock ms | 4-clone ms | ours/floor | ours/stock | "
+          "faults/step ours, stock |" + extra)
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.preserve else ""))
     for shape, activation, cl in cases(args.quick, args.shapes):
-        t_ours, t_stock, t_floor, f_ours, f_stock = bench(shape, activation, cl, args.repeats, dtype)
+        t_ours, t_stock, t_floor, f_ours, f_stock, *pr = bench(shape, activation, cl, args.repeats, dtype,
+                                                                preserve=args.preserve)
         layout = "channels_last" if cl else "contiguous"
         print(f"| {'x'.join(map(str, shape))} | {activation} | {layout} | {t_ours * 1e3:.2f} | "
               f"{t_stock * 1e3:.2f} | {t_floor * 1e3:.2f} | {t_ours / t_floor:.2f} | {t_ours / t_stock:.2f} | "
-              f"{f_ours:.0f}, {f_stock:.0f} |", flush=True)
+              f"{f_ours:.0f}, {f_stock:.0f} |" + "".join(f" {r:.2f} |" for r in pr), flush=True)
 
 
 if __name__ == "__main__":

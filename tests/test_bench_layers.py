@@ -21,6 +21,9 @@ import bench_groupnorm  # noqa: E402
 def test_bench_cpu_case_runs_and_checks(activation, channels_last):
     t_ours, t_stock, t_floor, _, _ = bench_cpu.bench((2, 8, 4, 4), activation, channels_last, repeats=2)
     assert t_ours > 0 and t_stock > 0 and t_floor > 0
+    # --preserve: preserve_input on the leaf (its gradients checked against stock's too), a ratio
+    *_, ratio = bench_cpu.bench((2, 8, 4, 4), activation, channels_last, repeats=2, preserve=True)
+    assert ratio > 0
 
 
 @pytest.mark.parametrize("activation", ["leaky_relu", "silu"])
