@@ -291,7 +291,8 @@ def table(rows) -> str:
             r = row["variants"][v]
             q1, med, q3 = quartiles(r["times_s"])
             lines.append(f"| {row['model']} | {row['batch']} x {row['size']} | {v} | {med * 1e3:.1f} | "
-                         f"{(q3 - q1) * 1e3:.1f} | {med / base_med:.3f} | {ratio_cell(r['times_s'], base['times_s'])} | "
+                         f"{(q3 - q1) * 1e3:.1f} | {med / base_med:.3f} | "
+                         f"{ratio_cell(r['times_s'], base['times_s'])} | "
                          f"{r['saved_bytes'] / MiB:.1f} | {r['saved_bytes'] / base['saved_bytes']:.3f} |")
     return "\n".join(lines)
 
