@@ -125,14 +125,14 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
         return torch.autograd.grad(y, [leaf, bn.weight, bn.bias], dy)
 
     check_same_grads(run_ours(), run_stock(), f"{shape} {activation}")
-    ours_p = copy.deepcopy(ours)
-    ours_p.preserve_input = True
-
-    def run_preserve():  # the leaf itself: preserve_input neither writes nor refuses it
-        y = ours_p(leaf)
-        return torch.autograd.grad(y, [leaf, ours_p.weight, ours_p.bias], dy)
-
     if preserve:
+        ours_p = copy.deepcopy(ours)
+        ours_p.preserve_input = True
+
+        def run_preserve():  # the leaf itself: preserve_input neither writes nor refuses it
+            y = ours_p(leaf)
+            return torch.autograd.grad(y, [leaf, ours_p.weight, ours_p.bias], dy)
+
         check_same_grads(run_preserve(), run_stock(), f"{shape} {activation} preserve_input")
 
     def run_clone():

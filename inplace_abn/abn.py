@@ -161,6 +161,8 @@ class InPlaceABN(ABN):
     invertible: such a layer stays correct but saves no memory, and warns once.
     """
 
+    preserve_input = False  # default for layers pickled before the attribute existed
+
     def __init__(
         self,
         num_features: int,
@@ -188,11 +190,11 @@ class InPlaceABN(ABN):
         weight, bias = module_affine(self)
         return _apply(x, weight, bias, running_mean, running_var, training, momentum, self.eps, self.activation,
                       self.activation_param, residual, self.weight_mode, None, counter,
-                      getattr(self, "preserve_input", False))
+                      self.preserve_input)
 
     def extra_repr(self) -> str:
         rep = super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
-        return rep + (", preserve_input=True" if getattr(self, "preserve_input", False) else "")
+        return rep + (", preserve_input=True" if self.preserve_input else "")
 
 
 class InPlaceABNSync(InPlaceABN):
@@ -242,5 +244,5 @@ class InPlaceABNSync(InPlaceABN):
         momentum, training, running_mean, running_var, counter = self._batch_state()
         y = inplace_abn_sync(x, self.weight, self.bias, running_mean, running_var, training, momentum,
                              self.eps, self.activation, self.activation_param, self.group, residual=residual,
-                             weight_mode=self.weight_mode, preserve_input=getattr(self, "preserve_input", False))
+                             weight_mode=self.weight_mode, preserve_input=self.preserve_input)
         return count_batch(y, counter)

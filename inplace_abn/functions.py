@@ -460,8 +460,7 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
     if preserve_input:
-        if group is None and not torch.compiler.is_compiling() and _layout_compatible(x) is not None \
-                and _backend.ops_for(x) is _backend.NATIVE:
+        if group is None and _native_eager(x):
             # forward_ reads x and writes a new tensor: no copy pass (src/ops/autograd.cpp)
             return _apply_native(x, weight, bias, running_mean, running_var, residual, bool(training), momentum,
                                  float(eps), activation, float(activation_param), weight_mode == "signed", counter,
@@ -498,8 +497,15 @@ def _native_autograd(x, differentiable) -> bool:
     device and an x the kernels can write in place. torch.compile traces
     `_InPlaceABNFunction` instead (the same steps), and calls that need no backward run its
     forward directly (`_run`)."""
-    return (not torch.compiler.is_compiling() and _records_backward(differentiable)
-            and _layout_compatible(x) is not None and _backend.ops_for(x) is _backend.NATIVE)
+    return _records_backward(differentiable) and _native_eager(x)
+
+
+def _native_eager(x) -> bool:
+    """Eager (not traced by torch.compile), the native backend for x's device, and an x the
+    kernels read and write as it is: the conditions of the C++ layers (`_native_autograd`,
+    and the out-of-place layers of preserve_input, which need no recorded backward)."""
+    return (not torch.compiler.is_compiling() and _layout_compatible(x) is not None
+            and _backend.ops_for(x) is _backend.NATIVE)
 
 
 def _records_backward(differentiable) -> bool:

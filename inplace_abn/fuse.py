@@ -291,7 +291,7 @@ def fuse_for_inference(model: nn.Module, fold_conv: bool = True, inplace: bool =
             else:
                 # An in-place layer overwrote x: keep doing so unless the graph shows nothing reads x later
                 # (a preserve_input layer never wrote x: its input is read again)
-                write = (isinstance(layer, InPlaceABN) and not getattr(layer, "preserve_input", False)
+                write = (isinstance(layer, InPlaceABN) and not layer.preserve_input
                          and id(layer) not in silent)
                 dtype = layer.running_mean.dtype
                 folded = FoldedABN(scale.to(dtype), shift.to(dtype), layer.activation, layer.activation_param, write)

@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation, _backend, _groupnorm_ops
-from .functions import (WEIGHT_MODES, _activation_code, _check_common, _layout_compatible, _like_layout,
-                        _native_autograd, _output_grad, _param_grads, _prepare, _refuse_double_backward, _run,
-                        _write, module_affine)
+from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
+                        _native_eager, _output_grad, _param_grads, _prepare, _refuse_double_backward, _run, _write,
+                        module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -177,8 +177,7 @@ def inplace_agn(
     if not invertible:
         _activation.warn_not_invertible(activation, activation_param)
     if preserve_input:
-        if (invertible and x.numel() > 0 and not torch.compiler.is_compiling() and _layout_compatible(x) is not None
-                and _backend.ops_for(x) is _backend.NATIVE and _groupnorm_ops._native_ok(x, act)):
+        if invertible and x.numel() > 0 and _native_eager(x) and _groupnorm_ops._native_ok(x, act):
             # forward_ reads x and writes a new tensor: no copy pass (src/ops/autograd.cpp)
             return _NATIVE_AGN_OUT(x, weight, bias, None if residual is None else _like_layout(residual, x),
                                    num_groups, float(eps), act, float(activation_param), weight_mode == "signed")
@@ -273,6 +272,8 @@ class InPlaceAGN(AGN):
     invertible: such a layer stays correct but saves no memory, and warns once.
     """
 
+    preserve_input = False  # default for layers pickled before the attribute existed
+
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  activation: str = "silu", activation_param: float = 0.01, weight_mode: str = "abs", *,
                  preserve_input: bool = False, device=None, dtype=None):
@@ -287,11 +288,11 @@ class InPlaceAGN(AGN):
         weight, bias = module_affine(self)
         return inplace_agn(x, self.num_groups, weight, bias, self.eps, self.activation, self.activation_param,
                            residual=residual, weight_mode=self.weight_mode,
-                           preserve_input=getattr(self, "preserve_input", False))
+                           preserve_input=self.preserve_input)
 
     def extra_repr(self) -> str:
         rep = super().extra_repr() + (", weight_mode=signed" if self.weight_mode == "signed" else "")
-        return rep + (", preserve_input=True" if getattr(self, "preserve_input", False) else "")
+        return rep + (", preserve_input=True" if self.preserve_input else "")
 
 
 __all__ = ["inplace_agn", "AGN", "InPlaceAGN"]

@@ -229,7 +229,7 @@ def convert_sync(module: torch.nn.Module, process_group: Optional[Any] = None, a
     if isinstance(module, InPlaceABN):
         out = _adopt_state(
             InPlaceABNSync(module.num_features, group=process_group, weight_mode=module.weight_mode,
-                           preserve_input=getattr(module, "preserve_input", False), **_common_kwargs(module)),
+                           preserve_input=module.preserve_input, **_common_kwargs(module)),
             module)
     elif isinstance(module, ABN):
         if abn == "exact":
