@@ -23,27 +23,23 @@ void backward_input_t(const KernelArgs& a) {
   S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
   const V p(static_cast<F>(a.param));
   at::parallel_for(0, g.numel, kGrain, [&](int64_t e0, int64_t e1) {
-    // local copies kept in registers (see forward_kernel.cpp)
-    const S *const y_ = y, *const dy_ = dy, *const res_ = res;
-    const int32_t* const mask_ = mask;
-    S *const dx_ = dx, *const dres_ = dres;
-    const V p_ = p;
-    for_each_vector(g, cr, e0, e1, [&](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
+    // captures by value (see for_each_vector)
+    for_each_vector(g, cr, e0, e1, [=](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
       constexpr bool FULL = decltype(full)::value;
-      const V yv = io::template ld<FULL>(y_ + i, cnt), gv = io::template ld<FULL>(dy_ + i, cnt);
+      const V yv = io::template ld<FULL>(y + i, cnt), gv = io::template ld<FULL>(dy + i, cnt);
       V d, z;
       if constexpr (FROMZ) {  // yv holds z (backward_input_from_z_)
         z = yv;
         d = Ac::deriv_of_z(z);
       } else {
-        const V left = A == Act::Silu ? from_bits<F>(read_bits(mask_, i, cnt)) : V(F(0));
-        z = Ac::inverse_deriv(yv, left, p_, d);
+        const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, i, cnt)) : V(F(0));
+        z = Ac::inverse_deriv(yv, left, p, d);
       }
       const V gz = gv * d;
       V zc = z - co.get(kInShift, j);
-      if constexpr (RES) zc = zc - io::template ld<FULL>(res_ + i, cnt);
-      io::template st<FULL>(dx_ + i, at::vec::fmadd(co.get(kInA, j), gz, at::vec::fmadd(co.get(kInB, j), zc, co.get(kInC0, j))), cnt);
-      if (dres_) io::template st<FULL>(dres_ + i, gz, cnt);
+      if constexpr (RES) zc = zc - io::template ld<FULL>(res + i, cnt);
+      io::template st<FULL>(dx + i, at::vec::fmadd(co.get(kInA, j), gz, at::vec::fmadd(co.get(kInB, j), zc, co.get(kInC0, j))), cnt);
+      if (dres) io::template st<FULL>(dres + i, gz, cnt);
     });
   });
 }
