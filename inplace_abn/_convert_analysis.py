@@ -451,13 +451,23 @@ def find_candidates(bn: fx.Node, modules, relu_to, residual: bool, standalone: b
     return found, notes
 
 
-NOT_A_TENSOR = "its input is not a tensor"
+class InputProblem(str):
+    """Why a norm's input may not be overwritten (a safety's ``input_problem``): the
+    report's text, and ``preservable``: whether a layer with preserve_input, which only
+    reads its input, may still take the norm (not where the input is no tensor)."""
+
+    preservable: bool
+
+    def __new__(cls, text: str, preservable: bool = True):
+        problem = super().__new__(cls, text)
+        problem.preservable = preservable
+        return problem
 
 
-def can_preserve(bn: fx.Node, problem: str) -> bool:
-    """Whether a norm whose input may not be overwritten (``problem``, from a safety's
-    input_problem) can still become a layer with preserve_input: its input is a tensor."""
-    return bool(bn.args) and isinstance(bn.args[0], fx.Node) and not problem.startswith(NOT_A_TENSOR)
+def can_preserve(bn: fx.Node, problem: InputProblem) -> bool:
+    """Whether a norm whose input may not be overwritten (``problem``) can still become a
+    layer with preserve_input: its input is a graph value the layer can read."""
+    return bool(bn.args) and isinstance(bn.args[0], fx.Node) and problem.preservable
 
 
 def preserve_candidates(bn: fx.Node, candidates: List[Candidate], notes: List[str], safety) -> List[Candidate]:
@@ -496,8 +506,9 @@ class StaticSafety:
     def __init__(self, modules: Dict[str, nn.Module]):
         self.modules = modules
 
-    def input_problem(self, bn: fx.Node) -> Optional[str]:
-        return _input_problem(bn.args[0], bn, self.modules)
+    def input_problem(self, bn: fx.Node) -> Optional[InputProblem]:
+        problem = _input_problem(bn.args[0], bn, self.modules)
+        return None if problem is None else InputProblem(problem)
 
     def modified_in_place(self, node: fx.Node) -> Optional[str]:
         return _modified_in_place(node, self.modules)
@@ -597,28 +608,28 @@ class RunSafety:
         node = next((n for n in self.graph_nodes if n.name == name), None)
         return name if node is None else f"{name} ({_callable_name(node, self.modules)})"
 
-    def input_problem(self, bn: fx.Node) -> Optional[str]:
+    def input_problem(self, bn: fx.Node) -> Optional[InputProblem]:
         x = bn.args[0]
         for run, kept in zip(self.runs, self.kept):
             rec = run.rec
             keys = rec.returns.get(x.name, set())
             where = f" (in {run.mode} mode)"
             if not keys:
-                return NOT_A_TENSOR + where
+                return InputProblem("its input holds no tensor memory" + where, preservable=False)
             if keys & run.inputs:
-                return "its input is a model input (the caller's tensor would be overwritten)"
+                return InputProblem("its input is a model input (the caller's tensor would be overwritten)")
             if keys & run.state:
-                return "its input is a parameter or buffer"
+                return InputProblem("its input is a parameter or buffer")
             if rec.overlap[x.name]:
-                return f"its input has elements sharing memory (an expanded view){where}"
+                return InputProblem(f"its input has elements sharing memory (an expanded view){where}")
             if keys & kept:
-                return "its input's memory is saved by an in-place layer converted before it" + where
+                return InputProblem("its input's memory is saved by an in-place layer converted before it" + where)
             for n in self._after(bn):
                 if rec.reads[n] & keys:
-                    return f"its input's memory is read again after it by {self._describe(n)}" + where
+                    return InputProblem(f"its input's memory is read again after it by {self._describe(n)}" + where)
             for n in self.names:
                 if n != bn.name and rec.saves[n] & keys:
-                    return f"its input's memory is saved for backward by {self._describe(n)}{where}"
+                    return InputProblem(f"its input's memory is saved for backward by {self._describe(n)}{where}")
         return None
 
     def modified_in_place(self, node: fx.Node) -> Optional[str]:

@@ -520,3 +520,21 @@ def test_convert_python_forward_reaching_into_a_submodule_keeps_it():
     x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
     for training in (True, False):
         _assert_equivalent(model, conv, x, training=training)
+
+
+def test_convert_example_input_without_memory_leaves_the_layers():
+    """Example inputs with an empty batch: the run sees no memory behind any norm's
+    input, so nothing can be judged (not even for preserve_input): every norm is left,
+    with the reason; the same model without example inputs converts."""
+    torch.manual_seed(0)
+    model = _randomize_bn(_Unlisted()).double()
+    empty = torch.randn(0, 3, 4, 4, dtype=torch.float64)
+    conv, report = convert_model(model, example_inputs=(empty,), return_report=True)
+    left = {x.name: x.reason for x in report.left}
+    assert not report.converted and list(left) == ["bns.0", "bns.1", "bns.2"], left
+    assert all(r.startswith("its input holds no tensor memory (in ") for r in left.values()), left
+    _, static = convert_model(model, return_report=True)
+    assert len(static.converted) == 3 and not static.left
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
