@@ -7,7 +7,7 @@ operators of ``src/ops/library.cpp``::
     gn_stats(Tensor x, int groups) -> (Tensor mean, Tensor var)          (N, G) each
     gn_forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias,
                 Tensor? residual, float eps, int activation, float activation_param,
-                bool signed_weight) -> Tensor mask
+                bool signed_weight, Tensor? source=None) -> Tensor mask      (source: read in x's place)
     gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias,
                 Tensor? residual, float eps, int activation, float activation_param,
                 bool signed_weight, Tensor(b!)? z_out=None)
@@ -42,7 +42,7 @@ SCHEMAS = {
     "gn_stats": "gn_stats(Tensor x, int groups) -> (Tensor, Tensor)",
     "gn_forward_": (
         "gn_forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
-        "float eps, int activation, float activation_param, bool signed_weight) -> Tensor"),
+        "float eps, int activation, float activation_param, bool signed_weight, Tensor? source=None) -> Tensor"),
     "gn_backward_reduce": (
         "gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
         "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) "
@@ -91,13 +91,14 @@ def gn_stats(x, groups):
     return mean.to(acc), var.to(acc)
 
 
-def gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
+def gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, source=None):
     acc = A.acc_dtype(x.dtype)
+    src = _pure.read_from(x, source)
     C, nd = x.shape[1], x.dim()
     g, b = _pure._coefficients(weight, bias, eps, signed, C, acc, x.device)
     rstd = _per_sample_channel(torch.rsqrt(var.to(acc) + eps), C, nd)
     # (x - mean) first, as the BatchNorm forward (docs/DESIGN.md section 1)
-    z = (x.to(acc) - _per_sample_channel(mean.to(acc), C, nd)) * (rstd * _per_channel(g, nd)) + _per_channel(b, nd)
+    z = (src.to(acc) - _per_sample_channel(mean.to(acc), C, nd)) * (rstd * _per_channel(g, nd)) + _per_channel(b, nd)
     if residual is not None:
         z += residual.to(acc)
     if act == A.SILU:
@@ -172,12 +173,12 @@ def native_gn_stats(x, groups):
     return _BN.batch_stats(x, None, None, 0.0, groups)
 
 
-def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed):
+def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, source=None):
     if not _native_ok(x, act):
-        return gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed)
+        return gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, source)
     if x.numel() == 0:
         return x.new_empty(0, dtype=torch.int32)
-    return _BN.forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, None, mean.shape[1])
+    return _BN.forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, None, mean.shape[1], source)
 
 
 def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out=None):
@@ -239,7 +240,7 @@ def _register():
         return x.new_empty(x.shape[0], groups, dtype=acc(x)), x.new_empty(x.shape[0], groups, dtype=acc(x))
 
     @torch.library.register_fake("inplace_abn::gn_forward_", lib=_lib)
-    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight):
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, source=None):
         words = (x.numel() + 31) // 32 if activation == A.SILU else 0
         return x.new_empty(words, dtype=torch.int32)
 

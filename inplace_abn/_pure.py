@@ -245,7 +245,21 @@ def weight_grad(sum_gz_xhat, weight, signed):
     return (sum_gz_xhat * torch.sign(weight.detach().to(sum_gz_xhat.dtype))).to(weight.dtype)
 
 
-def forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, z_out=None):
+def read_from(x, source):
+    """The tensor a forward reads: x, or ``source`` (the out-of-place layer), which must
+    have x's shape, dtype, device and strides (as the native forward_ checks)."""
+    if source is None:
+        return x
+    if (source.shape != x.shape or source.dtype != x.dtype or source.device != x.device
+            or source.stride() != x.stride()):
+        raise RuntimeError(f"inplace_abn: source must have x's shape, dtype, device and strides ({tuple(x.shape)} "
+                           f"{x.dtype} on {x.device}, strides {x.stride()}), got {tuple(source.shape)} "
+                           f"{source.dtype} on {source.device}, strides {source.stride()}")
+    return source
+
+
+def forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, z_out=None, source=None):
+    """y into x from x itself or, with ``source`` (x's shape and layout), from source."""
     if z_out is not None and act != A.IDENTITY:
         raise RuntimeError(f"inplace_abn: z_out is the ReLU path and needs activation 0 (identity), got {act}")
     acc = acc_dtype(x.dtype)
@@ -254,7 +268,8 @@ def forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, z_out=No
     scale = g * torch.rsqrt(var.to(acc) + eps)
     # (x - mean) first: exact for x near a large mean, so no per-element
     # rounding noise of x * scale enters y (and, through y, the backward).
-    z = (x.to(acc) - _per_channel(mean.to(acc), nd)) * _per_channel(scale, nd) + _per_channel(b, nd)
+    src = read_from(x, source)
+    z = (src.to(acc) - _per_channel(mean.to(acc), nd)) * _per_channel(scale, nd) + _per_channel(b, nd)
     if residual is not None:
         z += residual.to(acc)
     if act == A.SILU:

@@ -90,29 +90,40 @@ def _prepare(x, residual):
     return work, residual
 
 
-def _write(x, work, residual, invertible, forward_, forward_relu=None):
-    """Run ``forward_(target, residual) -> mask`` so that x ends up holding y;
-    returns (the tensor to save for backward, the mask).
+def _write(x, work, residual, invertible, forward_, forward_relu=None, out=None):
+    """Run ``forward_(target, residual, source) -> mask`` so that x ends up holding y, or,
+    with ``out`` (preserve_input: a new tensor in work's layout), so that out does and
+    work is only read (the operators' ``source``); returns (the tensor to save for
+    backward, the mask).
 
     Non-invertible activations (ReLU) lose the negative values the backward
     needs, so z is kept, in the accumulation dtype (half inputs lose nothing;
-    no memory saving), and saved. With ``forward_relu(target, residual, z_out)
-    -> mask`` (an operator that writes z into z_out and max(z, 0) into the
-    target in one pass) that costs one extra write; without it the
-    normalisation runs on a copy and the activation is applied to x afterwards."""
+    no memory saving), and saved. With ``forward_relu(target, residual, z_out,
+    source) -> mask`` (an operator that writes z into z_out and max(z, 0) into
+    the target in one pass) that costs one extra write; without it the
+    normalisation runs on a copy and the activation is applied afterwards."""
+    target, source = (work, None) if out is None else (out, work)
     if invertible:
-        mask = forward_(work, residual)
-        saved_y = work
+        mask = forward_(target, residual, source)
+        saved_y = target
     elif forward_relu is not None:
         saved_y = torch.empty_like(work, dtype=_activation.acc_dtype(x.dtype))  # (keeps work's layout)
-        mask = forward_relu(work, residual, saved_y)
+        mask = forward_relu(target, residual, saved_y, source)
     else:
         saved_y = work.to(_activation.acc_dtype(x.dtype), copy=True)
-        mask = forward_(saved_y, None if residual is None else residual.to(saved_y.dtype))
-        work.copy_(saved_y.clamp(min=0))
-    if work is not x:  # strided input: computed on a contiguous copy
+        mask = forward_(saved_y, None if residual is None else residual.to(saved_y.dtype), None)
+        target.copy_(saved_y.clamp(min=0))
+    if out is None and work is not x:  # strided input: computed on a contiguous copy
         x.copy_(work)
     return saved_y, mask
+
+
+def _output_tensor(x, work, preserve):
+    """`_write`'s ``out``: None (y into x, through work), or for preserve_input a new
+    tensor in work's layout, or work itself where it is already a copy (of a strided x)."""
+    if not preserve:
+        return None
+    return torch.empty_like(work) if work is x else work
 
 
 def _refuse_double_backward(op, twin):
@@ -219,7 +230,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
-                activation, activation_param, signed, group):
+                activation, activation_param, signed, group, preserve=False):
         backend = _backend.current()  # the backward uses the same, in whatever thread it runs
         ops = _backend.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
@@ -249,15 +260,20 @@ class _InPlaceABNFunction(torch.autograd.Function):
             mean, count = running_mean, local_count
             var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()
 
+        out = _output_tensor(x, work, preserve)
         saved_y, mask = _write(
             x, work, residual, invertible,
-            lambda t, r: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed),
-            lambda t, r, z: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed, z))
+            lambda t, r, src: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed,
+                                           source=src),
+            lambda t, r, z, src: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed, z,
+                                              source=src), out)
 
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype, backend)
-        ctx.mark_dirty(x)
-        return x
+        if not preserve:
+            ctx.mark_dirty(x)
+            return x
+        return out  # (preserve: y in a new tensor, x as it was)
 
     @staticmethod
     def backward(ctx, dy):
@@ -312,7 +328,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
         dweight = dbias = None
         if need_wb:
             dweight, dbias = _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b, ops.weight_grad)
-        return dx, dweight, dbias, None, None, dr, None, None, None, None, None, None, None
+        return dx, dweight, dbias, None, None, dr, None, None, None, None, None, None, None, None
 
 
 def _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
@@ -459,17 +475,15 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
-    if preserve_input:
-        if group is None and _native_eager(x):
-            # forward_ reads x and writes a new tensor: no copy pass (src/ops/autograd.cpp)
-            return _apply_native(x, weight, bias, running_mean, running_var, residual, bool(training), momentum,
-                                 float(eps), activation, float(activation_param), weight_mode == "signed", counter,
-                                 out_of_place=True)
-        x = x.clone()  # (the clone's grad_fn passes x's gradient through)
+    if preserve_input and group is None and _native_eager(x):
+        # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
+        return _apply_native(x, weight, bias, running_mean, running_var, residual, bool(training), momentum,
+                             float(eps), activation, float(activation_param), weight_mode == "signed", counter,
+                             out_of_place=True)
     args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
-            float(activation_param), weight_mode == "signed", group)
-    if group is None and _native_autograd(x, (x, weight, bias, residual)):
-        return _apply_native(*args[:-1], counter)
+            float(activation_param), weight_mode == "signed", group, preserve_input)
+    if group is None and not preserve_input and _native_autograd(x, (x, weight, bias, residual)):
+        return _apply_native(*args[:-2], counter)
     return count_batch(_run(_InPlaceABNFunction, args, (x, weight, bias, residual)), counter)
 
 
@@ -592,10 +606,9 @@ def inplace_abn(
             tensor of x's shape and memory layout. The backward still keeps
             only the output, so this saves the same memory as the in-place
             form: for an x that is read again after the layer (the shortcut
-            of a pre-activation residual block). With the native kernels
-            (eager, contiguous or channels-last x) it costs no extra pass over
-            memory; elsewhere (torch.compile, the pure backend, other strides)
-            the layer runs in place on a copy of x.
+            of a pre-activation residual block). It costs no extra pass over
+            memory: the operators read x as their source (eager, compiled and
+            with the pure backend); an x of other strides is copied first.
 
     Returns:
         x itself, holding the output (a new tensor with ``preserve_input``).
@@ -638,7 +651,7 @@ def inplace_abn_sync(
     preserve_input: bool = False,
 ) -> torch.Tensor:
     """`inplace_abn` with batch statistics computed over a process group
-    (``preserve_input`` as there; a synchronised call runs in place on a copy).
+    (``preserve_input`` as there).
 
     Every rank of ``group`` (default: the world) must call it, in the same
     order, and run its backward; inputs may differ in batch and spatial size,

@@ -18,26 +18,29 @@ import torch.nn.functional as F
 
 from . import _activation, _backend, _groupnorm_ops
 from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
-                        _native_eager, _output_grad, _param_grads, _prepare, _refuse_double_backward, _run, _write,
-                        module_affine)
+                        _native_eager, _output_grad, _output_tensor, _param_grads, _prepare, _refuse_double_backward,
+                        _run, _write, module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
     """y = f(GN(x) [+ residual]) written into x; backward from y (docs/DESIGN.md section 10)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, groups, eps, activation, activation_param, signed):
+    def forward(ctx, x, weight, bias, residual, groups, eps, activation, activation_param, signed, preserve=False):
         backend = _backend.current()  # the backward uses the same, in whatever thread it runs
         ops = _groupnorm_ops.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
         work, residual = _prepare(x, residual)
         mean, var = ops.gn_stats(work, groups)
-        saved_y, mask = _write(x, work, residual, invertible, lambda t, r: ops.gn_forward_(
-            t, mean, var, weight, bias, r, eps, act, activation_param, signed))
+        out = _output_tensor(x, work, preserve)
+        saved_y, mask = _write(x, work, residual, invertible, lambda t, r, src: ops.gn_forward_(
+            t, mean, var, weight, bias, r, eps, act, activation_param, signed, source=src), out=out)
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (eps, act, activation_param, signed, invertible, x.dtype, backend)
-        ctx.mark_dirty(x)
-        return x
+        if not preserve:
+            ctx.mark_dirty(x)
+            return x
+        return out  # (preserve: y in a new tensor, x as it was)
 
     @staticmethod
     def backward(ctx, dy):
@@ -58,7 +61,8 @@ class _InPlaceAGNFunction(torch.autograd.Function):
             dx, dr, s_gz, s_gzx = torch.ops.inplace_abn.gn_backward(y, dy, mask, var, weight, bias, residual, G, eps,
                                                                      act, p, signed, need_r)
             dweight, dbias = _param_grads(s_gz, s_gzx, weight, bias, signed, need_w, need_b)
-            return dx if need_x else None, dweight, dbias, dr if need_r else None, None, None, None, None, None
+            return (dx if need_x else None, dweight, dbias, dr if need_r else None, None, None, None, None, None,
+                    None)
 
         # (N, C) sums over the spatial positions of gz and gz xhat; SiLU on the
         # CPU keeps z for the second pass (docs/DESIGN.md section 7.2)
@@ -85,7 +89,7 @@ class _InPlaceAGNFunction(torch.autograd.Function):
             dx = dx.to(dtype) if need_x else None
             dr = dr.to(dtype) if need_r else None
         dweight, dbias = _param_grads(s_gz.sum(0), s_gzx.sum(0), weight, bias, signed, need_w, need_b)
-        return dx, dweight, dbias, dr, None, None, None, None, None
+        return dx, dweight, dbias, dr, None, None, None, None, None, None
 
 
 def _check_groups(x, num_groups):
@@ -152,10 +156,9 @@ def inplace_agn(
             tensor of x's shape and memory layout. The backward still keeps
             only the output, so this saves the same memory as the in-place
             form: for an x that is read again after the layer (a residual
-            shortcut). It costs no extra pass over memory where the native
-            kernels run (eager, contiguous or channels-last x); elsewhere
-            (torch.compile, the pure backend, other strides) the layer runs in
-            place on a copy of x.
+            shortcut). It costs no extra pass over memory (the operators read
+            x as their source), except for an x of other strides, which is
+            copied first.
 
     Returns:
         x itself, holding the output (a new tensor with ``preserve_input``).
@@ -176,15 +179,13 @@ def inplace_agn(
     invertible, act = _activation_code(activation, activation_param)
     if not invertible:
         _activation.warn_not_invertible(activation, activation_param)
-    if preserve_input:
-        if invertible and x.numel() > 0 and _native_eager(x) and _groupnorm_ops._native_ok(x, act):
-            # forward_ reads x and writes a new tensor: no copy pass (src/ops/autograd.cpp)
-            return _NATIVE_AGN_OUT(x, weight, bias, None if residual is None else _like_layout(residual, x),
-                                   num_groups, float(eps), act, float(activation_param), weight_mode == "signed")
-        x = x.clone()  # (the clone's grad_fn passes x's gradient through)
+    if preserve_input and invertible and x.numel() > 0 and _native_eager(x) and _groupnorm_ops._native_ok(x, act):
+        # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
+        return _NATIVE_AGN_OUT(x, weight, bias, None if residual is None else _like_layout(residual, x),
+                               num_groups, float(eps), act, float(activation_param), weight_mode == "signed")
     args = (x, weight, bias, residual, num_groups, float(eps), activation, float(activation_param),
-            weight_mode == "signed")
-    if (invertible and x.numel() > 0 and _native_autograd(x, (x, weight, bias, residual))
+            weight_mode == "signed", preserve_input)
+    if (not preserve_input and invertible and x.numel() > 0 and _native_autograd(x, (x, weight, bias, residual))
             and _groupnorm_ops._native_ok(x, act)):
         # eager: the same steps with the autograd in C++ (docs/DESIGN.md section 7.3)
         return _NATIVE_AGN(x, weight, bias, None if residual is None else _like_layout(residual, x), num_groups,

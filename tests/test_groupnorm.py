@@ -709,7 +709,7 @@ def test_preserve_input_saves_what_the_in_place_layer_saves():
 
 
 def test_preserve_input_compiles_fullgraph():
-    """Under torch.compile the layer runs in place on a clone of x: same results as eager."""
+    """Under torch.compile the layer reads x as the operators' source: same results as eager."""
     torch.manual_seed(0)
     _compiled_matches_eager(_Shortcut(InPlaceAGN(4, 16, activation="silu", weight_mode="signed",
                                                  preserve_input=True)))
@@ -746,6 +746,36 @@ def test_forward_operator_with_source(act, fmt):
     mean, var = ops.batch_stats(src, None, None, 0.0, 0)
     with pytest.raises(RuntimeError, match="share part of their memory"):
         ops.forward_(out, mean, var, w, b, None, 1e-5, act, p, True, None, 0, src)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("act", INVERTIBLE_CODES)
+def test_gn_forward_and_pure_forward_with_source(act, fmt):
+    """gn_forward_(out, ..., source=x) (the dispatched operator and the pure function) and
+    the pure BatchNorm forward_ with source: out as the in-place call's x, x untouched;
+    a source of another shape, dtype or layout is refused."""
+    ops, pure = torch.ops.inplace_abn, inplace_abn._groupnorm_ops._PURE_OPS
+    g = torch.Generator().manual_seed(29 + act)
+    x = torch.randn(3, 8, 4, 8, generator=g).contiguous(memory_format=fmt)
+    w, b, r = torch.rand(8, generator=g) + 0.5, torch.randn(8, generator=g), torch.randn_like(x)
+    p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 1.0}.get(act, 0.0)
+    mean, var = pure.gn_stats(x, 4)
+    bn_mean, bn_var = inplace_abn._pure.batch_stats(x)
+    keep = x.clone()
+    calls = [(ops.gn_forward_, (mean, var, w, b, r, 1e-5, act, p, True)),
+             (pure.gn_forward_, (mean, var, w, b, r, 1e-5, act, p, True)),
+             (inplace_abn._pure.forward_, (bn_mean, bn_var, w, b, r, 1e-5, act, p, True))]
+    for fn, args in calls:
+        inplace, out = x.clone(), torch.empty_like(x)
+        mask_in = fn(inplace, *args)
+        mask_out = fn(out, *args, source=x)
+        assert torch.equal(out, inplace) and torch.equal(mask_out, mask_in) and torch.equal(x, keep), fn
+        other = torch.channels_last if fmt == torch.contiguous_format else torch.contiguous_format
+        for bad in (x.double(), x[:2], x.contiguous(memory_format=other)):
+            with pytest.raises(RuntimeError, match="source must have x's"):
+                fn(torch.empty_like(x), *args, source=bad)
+    torch.library.opcheck(ops.gn_forward_.default, (torch.empty_like(x), mean, var, w, b, r, 1e-5, act, p, True),
+                          {"source": x})
 
 
 # ---- native kernels: thread count ----------------------------------------------------

@@ -11,7 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from inplace_abn import InPlaceABN, InPlaceABNSync, functions
+import inplace_abn
+from host_reads import HostReads
+from inplace_abn import InPlaceABN, InPlaceABNSync, InPlaceAGN, functions
 from inplace_abn.functions import inplace_abn as iabn
 from inplace_abn.memory import model_saved_bytes
 from reference import ACTIVATIONS, rel_err
@@ -144,8 +146,42 @@ def test_sync_layer_without_process_group_preserves_input(monkeypatch):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("agn", [False, True], ids=["abn", "agn"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("activation", list(PARAM))
+def test_python_layer_path_reads_x_without_a_copy(activation, training, agn):
+    """The Python autograd path (the pure backend; also torch.compile's and the synchronised
+    layer's) writes y to a new tensor and reads x as the operators' source: the operators
+    called are the in-place layer's plus y's allocation, no copy of x; the results are the
+    in-place layer's on a copy, bit for bit."""
+    x, _, dy = _data(torch.channels_last, torch.float32, seed=5, shape=(4, 6, 5, 8))
+    if agn:
+        base = InPlaceAGN(3, 6, activation=activation, activation_param=PARAM[activation]).train(training)
+    else:
+        base = _layer(activation).train(training)
+    results, calls = [], []
+    for preserve in (True, False):
+        layer = copy.deepcopy(base)
+        layer.preserve_input = preserve
+        x0 = x.clone().requires_grad_()
+        h = x0 if preserve else x0.clone(memory_format=torch.preserve_format)
+        with warnings.catch_warnings(), inplace_abn.use_backend("python"), HostReads() as rec:
+            warnings.simplefilter("ignore", RuntimeWarning)  # relu's "saves no memory"
+            y = layer(h)
+        calls.append([op for op in rec.ops if op != "aten.detach.default"])
+        results.append([y.detach(), *torch.autograd.grad(y, [x0, layer.weight, layer.bias], dy)])
+        if preserve:
+            assert torch.equal(x0.detach(), x) and y.data_ptr() != x0.data_ptr() and y.stride() == x0.stride()
+    out, ref = calls
+    assert "aten.empty_like.default" in out, out
+    out.remove("aten.empty_like.default")
+    assert out == ref, (out, ref)
+    for k, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), k
+
+
 def test_preserve_input_compiles_fullgraph():
-    """Under torch.compile the layer runs in place on a clone of x: eager's results."""
+    """Under torch.compile the layer reads x as the operators' source: eager's results."""
     torch.manual_seed(0)
     _compiled_matches_eager(_Shortcut(InPlaceABN(16, activation="silu", weight_mode="signed",
                                                     preserve_input=True)))
