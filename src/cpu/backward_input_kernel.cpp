@@ -13,7 +13,7 @@ void backward_input_t(const KernelArgs& a) {
   using F = typename io::F;
   using V = Vectorized<F>;
   using Ac = Activation<A, VecMath<F>>;
-  const Walk g = walk_of(a.g);
+  const Walk g = walk_of(a.g, kCost<A>);
   const CoefRows<F, kInRows> cr(a, g);
   const S* y = a.x.const_data_ptr<S>();
   const S* dy = a.dy.const_data_ptr<S>();

@@ -24,7 +24,7 @@ void backward_reduce_t(const KernelArgs& a) {
   const int64_t C = a.g.C;
   std::vector<double> s1(C), s2(C);
   reduce2<F>(
-      walk_of(a.g), coef_row<F>(a, kRedShift),
+      walk_of(a.g, kCost<A>), coef_row<F>(a, kRedShift),
       [=](int64_t i, int64_t j, int cnt, auto full, const auto& co, V& u, V& v) {
         constexpr bool FULL = decltype(full)::value;
         if constexpr (FULL) {

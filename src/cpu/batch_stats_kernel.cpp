@@ -15,7 +15,7 @@ void batch_stats_t(const KernelArgs& a) {
   using io = IO<S>;
   using F = typename io::F;
   using V = Vectorized<F>;
-  const Walk g = walk_of(a.g);
+  const Walk g = walk_of(a.g, 1);
   const int64_t C = g.C;
   const S* x = a.x.const_data_ptr<S>();
   std::vector<F> K(C);

@@ -16,7 +16,7 @@ void forward_t(const KernelArgs& a) {
   using V = Vectorized<F>;
   using Ac = Activation<A, VecMath<F>>;
   constexpr bool MASK = A == Act::Silu;
-  const Walk g = walk_of(a.g);
+  const Walk g = walk_of(a.g, kCost<A>);
   const CoefRows<F, kFwdRows> cr(a, g);
   S* x = a.x.data_ptr<S>();
   const S* in = a.source.defined() ? a.source.const_data_ptr<S>() : x;

@@ -881,21 +881,34 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
 
 // ---------------------------------------------------------------------------
 // How a kernel walks memory: the channel of position e is (e / inner) % C.
-// Contiguous tensors with planes smaller than kRowsMaxPlane elements use the
-// rows path when one row of the channel pattern (C inner elements) is at most
-// kRowsMaxPeriod: its coefficient arrays and (reductions) double accumulators
-// then stay within L2. Planes of 128 elements and more are walked as planes:
-// the rows path's per-call expansion and per-unit folds grow with the pattern:
-// at 8x128x16x16 (a 32768-element pattern) planar steps are 0.48x as long for
-// leaky_relu, 0.80x for SiLU (AVX512; bench_cpu.py --shapes ... --compare).
-// Below 128 the planes' partial vectors and per-plane costs weigh more (SiLU
-// at 8x1024x5x5: 0.86x stock as rows, 1.46x as planes in an experiment).
+// Contiguous tensors with small planes may use the rows path, when one row of
+// the channel pattern (P = C S elements) is at most kRowsMaxPeriod (its
+// coefficient arrays and the reductions' accumulators then stay within L2).
+// Rows cost an expansion of each coefficient row over P per call (K P writes
+// against N P elements) and a P-long fold per reduction unit; planes cost a
+// partial vector per plane, which the costly activations (kCost: SiLU, ELU)
+// pay in full. So (cost = the kernel's kCost, 1 for batch_stats):
+//  - cost 1: rows for planes under 16 elements, or under 32 with N >= 8;
+//  - cost > 1: rows for planes under kRowsMaxPlane (128) where N >= 8 or
+//    P <= 4096 (the expansion small or amortised).
+// Sums of the four operators, leaky_relu / SiLU, AVX2, 2 threads, best of 5
+// (ad-hoc, rows against planes): 2x1024x5x5 112 / 488 against 72 / 396 us,
+// 4x256x7x7 66 / 428 against 45 / 339, 16x512x7x7 260 / 2200 against
+// 215 / 2500 (AVX512 leaky_relu 388 against 205), 8x1024x5x5 175 / 1217
+// against 186 / 1467; 16x256x2x2 leaky_relu 30 against 108, 8x512x3x3 52
+// against 81, 8x128x6x6 42 against 38 (ELU 77 against 90). Earlier, at
+// 8x128x16x16 (a 32768-element pattern) planes made steps 0.48x as long for
+// leaky_relu, 0.80x for SiLU (AVX512; bench_cpu.py --compare).
 constexpr int64_t kRowsMaxPlane = 128;
 constexpr int64_t kRowsMaxPeriod = 32768;
 
-inline Walk walk_of(const Geometry& g) {
+inline Walk walk_of(const Geometry& g, int64_t cost) {
   Walk w{g.numel, g.C, g.inner(), true};
-  if (!g.channels_last) w.rows = g.S == 1 || (g.S < kRowsMaxPlane && g.C * g.S <= kRowsMaxPeriod);
+  if (!g.channels_last) {
+    const int64_t P = g.C * g.S;
+    const bool rows = cost > 1 ? g.S < kRowsMaxPlane && (g.N >= 8 || P <= 4096) : g.S < 16 || (g.S < 32 && g.N >= 8);
+    w.rows = g.S == 1 || (rows && P <= kRowsMaxPeriod);
+  }
   return w;
 }
 
