@@ -643,8 +643,8 @@ class RunSafety:
     def converted(self, bn: fx.Node, chosen: "Candidate", preserve: bool = False) -> None:
         """Record what the new layer saves: its input's memory (which becomes its output, unless
         ``preserve``: a new tensor) and the shortcut."""
+        saved = (chosen.output(bn), chosen.shortcut) + (() if preserve else (bn.args[0],))
         for run, kept in zip(self.runs, self.kept):
-            for n in ((chosen.output(bn), chosen.shortcut) if preserve else (bn.args[0], chosen.output(bn),
-                                                                               chosen.shortcut)):
+            for n in saved:
                 if n is not None:
                     kept |= run.rec.returns.get(n.name, set())

@@ -126,6 +126,15 @@ def _output_tensor(x, work, preserve):
     return torch.empty_like(work) if work is x else work
 
 
+def _result(ctx, x, out):
+    """A layer Function's output after `_write`: x, written in place (marked dirty), or
+    preserve_input's ``out`` (x as it was)."""
+    if out is None:
+        ctx.mark_dirty(x)
+        return x
+    return out
+
+
 def _refuse_double_backward(op, twin):
     # Grad mode is on inside backward only under create_graph=True. The
     # backward is written with the native kernels and is not itself
@@ -270,10 +279,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
 
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype, backend)
-        if not preserve:
-            ctx.mark_dirty(x)
-            return x
-        return out  # (preserve: y in a new tensor, x as it was)
+        return _result(ctx, x, out)
 
     @staticmethod
     def backward(ctx, dy):

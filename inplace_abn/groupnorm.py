@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import _activation, _backend, _groupnorm_ops
 from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
                         _native_eager, _output_grad, _output_tensor, _param_grads, _prepare, _refuse_double_backward,
-                        _run, _write, module_affine)
+                        _result, _run, _write, module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -37,10 +37,7 @@ class _InPlaceAGNFunction(torch.autograd.Function):
             t, mean, var, weight, bias, r, eps, act, activation_param, signed, source=src), out=out)
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (eps, act, activation_param, signed, invertible, x.dtype, backend)
-        if not preserve:
-            ctx.mark_dirty(x)
-            return x
-        return out  # (preserve: y in a new tensor, x as it was)
+        return _result(ctx, x, out)
 
     @staticmethod
     def backward(ctx, dy):
