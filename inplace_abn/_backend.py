@@ -148,13 +148,13 @@ def _register_fakes():
 
     @torch.library.register_fake("inplace_abn::backward_reduce")
     def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
-          groups=0):
+          groups=0, relu=False):
         shape = y.shape[:2] if groups else y.shape[1:2]  # per (n, c) for GroupNorm
         return y.new_empty(shape, dtype=acc(y)), y.new_empty(shape, dtype=acc(y))
 
     @torch.library.register_fake("inplace_abn::backward_input")
     def _(y, dy, mask, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param,
-          signed_weight, residual_grad, sums_scale=1.0, groups=0):
+          signed_weight, residual_grad, sums_scale=1.0, groups=0, relu=False):
         dx = torch.empty_like(y)
         dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
         return dx, dr

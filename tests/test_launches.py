@@ -86,7 +86,8 @@ def test_eval_call_counts():
 
 @native_only
 def test_relu_call_counts():
-    """ReLU (not invertible): z is written by forward_ itself (z_out), no copy and clamp."""
+    """ReLU (not invertible): z is written by forward_ itself (z_out), no copy and clamp;
+    the backward applies ReLU's derivative inside its operators, no threshold pass."""
     layer = InPlaceABN(16, activation="relu")
     x = torch.randn(4, 16, 8, 8)
     with warnings.catch_warnings():
@@ -94,8 +95,9 @@ def test_relu_call_counts():
         fwd, bwd, _, _ = _counted(layer, x, torch.randn_like(x))
     assert fwd == ["inplace_abn.batch_stats.default", "aten.empty_like.default", "inplace_abn.forward_.default"], fwd
     assert layer.num_batches_tracked.item() == 1
-    assert bwd == ["aten.threshold_backward.default", "inplace_abn.backward_reduce.default",
-                   "inplace_abn.backward_input.default", "inplace_abn.weight_grad.default"], bwd
+    # ReLU's derivative is applied by the two backward operators as they read dy (relu=True)
+    assert bwd == ["inplace_abn.backward_reduce.default", "inplace_abn.backward_input.default",
+                   "inplace_abn.weight_grad.default"], bwd
 
 
 @native_only

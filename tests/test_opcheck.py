@@ -231,3 +231,46 @@ def test_folded_arguments_compute_what_they_replace(backend):
     assert torch.equal(dx_0, dx_z)
     assert torch.equal(ops.weight_grad(s_gx, w, False), s_gx * torch.sign(w))
     assert torch.equal(ops.weight_grad(s_gx, w.float(), True), s_gx.float())
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_relu_flag_of_backward_operators(dtype, fmt, residual):
+    """relu=True (the ReLU layer's backward, y holding z): backward_reduce and backward_input
+    give bitwise what threshold_backward(dy, z, 0) followed by relu=False gives, zeros and NaNs
+    of z included (NaN keeps dy, as torch.relu's backward); opcheck with the flag; and the
+    flag refused for an activation other than identity."""
+    ops = torch.ops.inplace_abn
+    x, mean, var, w, b, r, _ = _args(_activation.IDENTITY, fmt, residual, dtype=dtype)
+    z = x.clone()
+    ops.forward_(z, mean, var, w, b, r, 1e-5, _activation.IDENTITY, 0.0, False)
+    k = torch.arange(z.numel()).reshape(z.shape)
+    z.masked_fill_(k % 7 == 0, 0.0)  # z = 0: ReLU's derivative is 0 there
+    z.masked_fill_(k % 29 == 3, float("nan"))
+    dy = torch.randn_like(z)
+    gz = torch.ops.aten.threshold_backward(dy, z, 0)
+    assert (gz == 0).any() and (gz != dy).any()  # the flag has something to do
+    want = ops.backward_reduce(z, gz, torch.empty(0, dtype=torch.int32), w, b, r, 1e-5, 0, 0.0, False)
+    got = ops.backward_reduce(z, dy, torch.empty(0, dtype=torch.int32), w, b, r, 1e-5, 0, 0.0, False, None, 0, True)
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, rtol=0, atol=0, equal_nan=True)
+    n = x.numel() // x.shape[1]
+    mg, mgx = want[0] / n, want[1] / n
+    m0 = torch.empty(0, dtype=torch.int32)
+    want_dx = ops.backward_input(z, gz, m0, var, w, b, r, mg, mgx, 1e-5, 0, 0.0, False, residual)
+    got_dx = ops.backward_input(z, dy, m0, var, w, b, r, mg, mgx, 1e-5, 0, 0.0, False, residual, 1.0, 0, True)
+    for g, wt in zip(got_dx, want_dx):
+        torch.testing.assert_close(g, wt, rtol=0, atol=0, equal_nan=True)
+    if dtype == torch.float32:
+        zf = z.nan_to_num()  # (opcheck compares outputs with NaN-unaware checks)
+        torch.library.opcheck(ops.backward_reduce.default, (zf, dy, m0, w, b, r, 1e-5, 0, 0.0, False),
+                              {"relu": True})
+        sf = ops.backward_reduce(zf, dy, m0, w, b, r, 1e-5, 0, 0.0, False, relu=True)  # (mg holds NaNs)
+        torch.library.opcheck(ops.backward_input.default, (zf, dy, m0, var, w, b, r, sf[0] / n, sf[1] / n, 1e-5, 0,
+                                                           0.0, False, residual), {"relu": True})
+    with pytest.raises(RuntimeError, match="relu=True needs activation 0"):
+        ops.backward_reduce(z, dy, m0, w, b, r, 1e-5, _activation.LEAKY_RELU, 0.1, False, None, 0, True)
+    with pytest.raises(RuntimeError, match="relu=True needs activation 0"):
+        ops.backward_input(z, dy, m0, var, w, b, r, mg, mgx, 1e-5, _activation.ELU, 1.0, False, residual, 1.0, 0,
+                           True)

@@ -1,5 +1,5 @@
 // backward_input on the CPU: dx = a gz + b (z - shift [- residual]) + c0, dresidual = gz,
-// with z = f^-1(y), gz = dy f'(z).
+// with z = f^-1(y), gz = dy f'(z); RELU (identity): gz = dy [z > 0].
 #include "cpu/kernel_utils.h"
 
 namespace inplace_abn {
@@ -7,7 +7,7 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename S, Act A, bool RES, bool FROMZ>
+template <typename S, Act A, bool RES, bool FROMZ, bool RELU>
 void backward_input_t(const KernelArgs& a) {
   using io = IO<S>;
   using F = typename io::F;
@@ -35,7 +35,8 @@ void backward_input_t(const KernelArgs& a) {
         const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, i, cnt)) : V(F(0));
         z = Ac::inverse_deriv(yv, left, p, d);
       }
-      const V gz = gv * d;
+      V gz = gv * d;
+      if constexpr (RELU) gz = sel<Cmp::Ge>(V(F(0)), z, V(F(0)), gz);  // as backward_reduce
       V zc = z - co.get(kInShift, j);
       if constexpr (RES) zc = zc - io::template ld<FULL>(res + i, cnt);
       io::template st<FULL>(dx + i, at::vec::fmadd(co.get(kInA, j), gz, at::vec::fmadd(co.get(kInB, j), zc, co.get(kInC0, j))), cnt);
@@ -48,10 +49,13 @@ void backward_input_kernel(const KernelArgs& a) {
   dispatch(a, [&](auto s, auto act, auto res) {
     using S = decltype(s);
     constexpr Act A = decltype(act)::value;
+    constexpr bool R = decltype(res)::value;
     if constexpr (A == Act::Silu && std::is_same_v<S, typename IO<S>::F>)
-      if (a.from_z) return backward_input_t<S, A, decltype(res)::value, true>(a);
+      if (a.from_z) return backward_input_t<S, A, R, true, false>(a);
     TORCH_CHECK(!a.from_z, "inplace_abn: backward_input_from_z_ is for SiLU in float32/float64");
-    backward_input_t<S, A, decltype(res)::value, false>(a);
+    if constexpr (A == Act::Identity)  // the ReLU layer's z (kernel.h)
+      if (a.relu) return backward_input_t<S, A, R, false, true>(a);
+    backward_input_t<S, A, R, false, false>(a);
   });
 }
 

@@ -1,5 +1,5 @@
 // backward_reduce on the CPU: per channel, sum gz and sum gz (z - shift
-// [- residual]) / gain, with z = f^-1(y), gz = dy f'(z).
+// [- residual]) / gain, with z = f^-1(y), gz = dy f'(z); RELU (identity): gz = dy [z > 0].
 #include "cpu/kernel_utils.h"
 
 namespace inplace_abn {
@@ -7,7 +7,7 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename S, Act A, bool RES, bool ZOUT>
+template <typename S, Act A, bool RES, bool ZOUT, bool RELU>
 void backward_reduce_t(const KernelArgs& a) {
   using io = IO<S>;
   using F = typename io::F;
@@ -37,6 +37,7 @@ void backward_reduce_t(const KernelArgs& a) {
         const V z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d);
         if constexpr (ZOUT) FULL ? z.store(zout + i) : z.store(zout + i, cnt);
         V gz = io::template ld<FULL>(dy + i, cnt) * d;
+        if constexpr (RELU) gz = sel<Cmp::Ge>(V(F(0)), z, V(F(0)), gz);  // threshold_backward(dy, z, 0): NaN z keeps dy
         V zc = z - co.get(0, j);
         if constexpr (RES) zc = zc - io::template ld<FULL>(res + i, cnt);
         if constexpr (!FULL) {
@@ -60,9 +61,12 @@ void backward_reduce_kernel(const KernelArgs& a) {
   dispatch(a, [&](auto s, auto act, auto res) {
     using S = decltype(s);
     constexpr Act A = decltype(act)::value;
+    constexpr bool R = decltype(res)::value;
     if constexpr (A == Act::Silu && std::is_same_v<S, typename IO<S>::F>)
-      if (a.z.defined()) return backward_reduce_t<S, A, decltype(res)::value, true>(a);
-    backward_reduce_t<S, A, decltype(res)::value, false>(a);
+      if (a.z.defined()) return backward_reduce_t<S, A, R, true, false>(a);
+    if constexpr (A == Act::Identity)  // the ReLU layer's z (kernel.h)
+      if (a.relu) return backward_reduce_t<S, A, R, false, true>(a);
+    backward_reduce_t<S, A, R, false, false>(a);
   });
 }
 

@@ -156,8 +156,9 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     const OptTensor w = opt(weight), b = opt(bias), r = opt(sv.residual);
     const at::Tensor& mask = sv.mask;
 
-    at::Tensor dy = like(grads[0], y);  // y's layout (and, for ReLU, z's dtype), once for both passes
-    if (relu) dy = at::threshold_backward(dy, y, 0);
+    // y's layout (and, for ReLU, z's dtype), once for both passes; for ReLU the
+    // operators apply its derivative as they read dy (relu: no threshold pass first)
+    const at::Tensor dy = like(grads[0], y);
     // The sums feed dweight, dbias and, in training, dx; in eval mode with frozen
     // parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
     const bool reduce = need_w || need_b || (training && (need_x || need_r));
@@ -165,7 +166,8 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     const bool keep_z = reduce && need_x && silu_keeps_z(y, act);
     const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
     at::Tensor sum_gz, sum_gzx, dx, dr;
-    if (reduce) std::tie(sum_gz, sum_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0);
+    if (reduce)
+      std::tie(sum_gz, sum_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0, relu);
     if (need_x || need_r) {
       // training: the kernel scales the raw sums by 1/n; eval: the statistics are
       // constants, scale 0 drops these (any (C,) tensor)
@@ -177,7 +179,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
         dr = ops().input_z.call(z, dy, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r, scale, 0);
       } else {
         std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r,
-                                            scale, 0);
+                                            scale, 0, relu);
       }
       dx = need_x ? cast(dx, dtype) : at::Tensor();
       dr = need_r ? cast(dr, dtype) : at::Tensor();
@@ -231,7 +233,7 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
     if (need_x || need_r) {  // one operator; on the CPU one pass over memory (section 10)
       std::tie(dx, dr, s_gz, s_gzx) = ops().gn.call(y, dy, mask, var, w, b, r, G, eps, act, p, signed_weight, need_r);
     } else {  // the parameters' sums only: (N, C), any divisor of C as groups
-      std::tie(s_gz, s_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, std::nullopt, 1);
+      std::tie(s_gz, s_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, std::nullopt, 1, false);
       s_gz = need_b ? s_gz.sum(0) : s_gz;
       s_gzx = need_w ? s_gzx.sum(0) : s_gzx;
     }

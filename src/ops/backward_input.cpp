@@ -45,8 +45,9 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
                                                   const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat,
                                                   double eps, int64_t activation, double activation_param,
                                                   bool signed_weight, bool residual_grad, double sums_scale,
-                                                  int64_t groups) {
+                                                  int64_t groups, bool relu) {
   const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
+  const auto [gy, kernel_relu] = relu_dy(dy, y, act, relu);
   const Groups grp(y, groups);
   const auto in = input_args(y, grp, var, weight, bias, mean_gz, mean_gz_xhat, sums_scale);
   const Geometry g = y.numel() > 0 ? geometry_of(y, "y") : Geometry{};  // the layout check before allocating
@@ -60,8 +61,8 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
   const at::Tensor coef =
       input_coefs(yv, in, grp.G, weight.has_value(), eps, signed_weight, sums_scale, grp.columns(y));
   grp.run(backward_input_stub,
-          {.x = yv, .dy = grp.view(like(dy, y)), .residual = grp.view(like(residual, y)), .mask = mask, .coef = coef,
-           .out1 = grp.view(dx), .out2 = grp.view(residual_grad ? dres : at::Tensor()),
+          {.x = yv, .dy = grp.view(like(gy, y)), .residual = grp.view(like(residual, y)), .mask = mask, .coef = coef,
+           .out1 = grp.view(dx), .out2 = grp.view(residual_grad ? dres : at::Tensor()), .relu = kernel_relu,
            .g = grp.G ? geometry_of(yv, "y") : g, .act = act, .param = activation_param},
           false);
   return {dx, dres};

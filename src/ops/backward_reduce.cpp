@@ -12,8 +12,9 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
                                                    const OptTensor& weight, const OptTensor& bias,
                                                    const OptTensor& residual, double eps, int64_t activation,
                                                    double activation_param, bool signed_weight,
-                                                   const OptTensor& z_out, int64_t groups) {
+                                                   const OptTensor& z_out, int64_t groups, bool relu) {
   const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
+  const auto [gy, kernel_relu] = relu_dy(dy, y, act, relu);
   if (z_out.has_value()) check_z(*z_out, y, act, "z_out");
   const Groups grp(y, groups);
   const std::array<ChannelInput, 2> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight")};
@@ -29,8 +30,8 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
     return std::array{v[0], gain(v[1], weight.has_value(), eps, signed_weight)};
   }, grp.columns(y));
   grp.run(backward_reduce_stub,
-          {.x = yv, .dy = grp.view(like(dy, y)), .residual = grp.view(like(residual, y)), .mask = mask, .coef = coef,
-           .out1 = sum_gz, .out2 = sum_gz_xhat, .z = grp.view(z_out.value_or(at::Tensor())),
+          {.x = yv, .dy = grp.view(like(gy, y)), .residual = grp.view(like(residual, y)), .mask = mask, .coef = coef,
+           .out1 = sum_gz, .out2 = sum_gz_xhat, .z = grp.view(z_out.value_or(at::Tensor())), .relu = kernel_relu,
            .g = geometry_of(yv, "y"), .act = act, .param = activation_param},
           true);
   return {sum_gz, sum_gz_xhat};

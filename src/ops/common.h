@@ -132,6 +132,18 @@ inline at::Tensor like(const at::Tensor& t, const at::Tensor& ref) {
 }
 inline at::Tensor like(const OptTensor& t, const at::Tensor& ref) { return t.has_value() ? like(*t, ref) : at::Tensor(); }
 
+// The backward of a ReLU layer (relu: y holds z, activation 0): the output
+// gradient for the kernels and whether they apply ReLU's derivative to it as
+// they read it (gz = dy where z > 0, else 0, as threshold_backward(dy, z, 0):
+// one pass over memory less). The CPU kernels do; other devices get dy
+// thresholded here.
+inline std::pair<at::Tensor, bool> relu_dy(const at::Tensor& dy, const at::Tensor& y, Act act, bool relu) {
+  TORCH_CHECK(!relu || act == Act::Identity, "inplace_abn: relu=True needs activation 0 (identity), got ",
+              static_cast<int>(act));
+  if (!relu || y.is_cpu()) return {dy, relu};
+  return {at::threshold_backward(like(dy, y), y, 0), false};
+}
+
 // The coefficient formulas are written once, for T = double (the CPU fills
 // the table in one loop instead of ~15 small ATen ops: forward_ at 16x512x7x7
 // 110 -> 99 us, the backward ops ~5 us less each) and T = float64 tensor (any

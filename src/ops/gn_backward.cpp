@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
   const bool keep_z = silu_keeps_z(y, activation);
   const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
   const auto [s_gz, s_gzx] = backward_reduce(y, dy, mask, weight, bias, residual, eps, activation, param,
-                                             signed_weight, keep_z ? OptTensor(z) : std::nullopt, 1);
+                                             signed_weight, keep_z ? OptTensor(z) : std::nullopt, 1, false);
   const int64_t N = y.size(0), C = y.size(1), m = y.numel() / (N * G);  // m: elements per (n, group)
   const at::Tensor g = weight.has_value() ? gain(weight->detach().to(s_gz.scalar_type()), true, eps, signed_weight)
                                           : at::ones({C}, s_gz.options());
@@ -49,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
                                   signed_weight, residual_grad, 1.0, G);
   else
     std::tie(dx, dres) = backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
-                                        activation, param, signed_weight, residual_grad, 1.0, G);
+                                        activation, param, signed_weight, residual_grad, 1.0, G, false);
   return {dx, dres, s_gz.sum(0), s_gzx.sum(0)};
 }
 

@@ -58,6 +58,9 @@ struct KernelArgs {
   // from x (no inversion) and overwrites it with dx (out1 is x)
   at::Tensor z;
   bool from_z = false;
+  // backward_reduce / backward_input of a ReLU layer (activation 0, CPU): x holds
+  // z, and gz = dy where z > 0, else 0 (other devices get a thresholded dy)
+  bool relu = false;
   Geometry g;
   Act act;
   double param;  // activation parameter

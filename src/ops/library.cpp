@@ -37,20 +37,22 @@ TORCH_LIBRARY(inplace_abn, m) {
       "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0, "
       "Tensor? source=None) -> Tensor mask");
-  // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone.
+  // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone. relu (with
+  // activation 0): y holds the z of a ReLU layer (forward_'s z_out) and gz = dy
+  // where z > 0, else 0, as threshold_backward(dy, z, 0) first (CPU: in the same pass).
   m.def(
       "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0) "
-      "-> (Tensor sum_gz, Tensor sum_gz_xhat)");
+      "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0, "
+      "bool relu=False) -> (Tensor sum_gz, Tensor sum_gz_xhat)");
   // dx = g~ r (gz - k mean_gz - xhat * k mean_gz_xhat), k = sums_scale (so
   // the raw sums S_g, S_gx may be passed with k = 1 / n; k = 0 drops both
   // terms whatever their values: eval mode); with residual_grad also
-  // returns gz (the residual's gradient), else an empty tensor.
+  // returns gz (the residual's gradient), else an empty tensor. relu: as backward_reduce.
   m.def(
       "backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
       "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, "
-      "float activation_param, bool signed_weight, bool residual_grad, float sums_scale=1.0, int groups=0) "
-      "-> (Tensor dx, Tensor dresidual)");
+      "float activation_param, bool signed_weight, bool residual_grad, float sums_scale=1.0, int groups=0, "
+      "bool relu=False) -> (Tensor dx, Tensor dresidual)");
   // dweight = sum_gz_xhat dg~/dweight in weight's dtype: sign(weight) (0 at 0)
   // in abs mode, 1 in signed mode (docs/DESIGN.md section 2).
   m.def("weight_grad(Tensor sum_gz_xhat, Tensor weight, bool signed_weight) -> Tensor");

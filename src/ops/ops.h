@@ -24,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
                                                    const std::optional<at::Tensor>& bias,
                                                    const std::optional<at::Tensor>& residual, double eps,
                                                    int64_t activation, double activation_param, bool signed_weight,
-                                                   const std::optional<at::Tensor>& z_out, int64_t groups);
+                                                   const std::optional<at::Tensor>& z_out, int64_t groups, bool relu);
 
 std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
                                                   const at::Tensor& var, const std::optional<at::Tensor>& weight,
@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
                                                   const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat,
                                                   double eps, int64_t activation, double activation_param,
                                                   bool signed_weight, bool residual_grad, double sums_scale,
-                                                  int64_t groups);
+                                                  int64_t groups, bool relu);
 
 at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, bool signed_weight);
 
