@@ -292,7 +292,10 @@ class _InPlaceABNFunction(torch.autograd.Function):
         y, var, weight, bias, residual, mask = ctx.saved_tensors
         training, eps, act, p, signed, group, count, invertible, dtype, backend = ctx.config
         ops = _backend.ops_for(y, backend)
-        dy = _output_grad(dy, y, invertible)
+        # ReLU (y holds z): the native operators apply its derivative as they read dy
+        # (relu=True, one pass less); the pure ones get dy thresholded first
+        relu = {"relu": True} if not invertible and ops is _backend.NATIVE else {}
+        dy = _output_grad(dy, y, invertible or bool(relu))
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[5]
 
@@ -306,7 +309,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
         z = torch.empty_like(y) if reduce and need_x and _backend.keeps_z(ops, y, act) else None
         if reduce:
             extra = () if z is None else (z,)
-            sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, *extra)
+            sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, *extra,
+                                                  **relu)
         dx = dr = None
         if need_x or need_r:
             if synced:
@@ -321,7 +325,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
                 scale = 0.0
             if z is None:
                 dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, g_gz, g_gzx, eps, act, p,
-                                            signed, need_r, scale)
+                                            signed, need_r, scale, **relu)
             else:
                 dx, dr = z, ops.backward_input_from_z_(z, dy, var, weight, bias, residual, g_gz, g_gzx, eps, act,
                                                        p, signed, need_r, scale)
