@@ -485,6 +485,10 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
+    # Compiled: out of place (no extra pass, y alone kept): with the write into x,
+    # AOTAutograd returned a wrong input gradient whenever x was a graph input that
+    # requires grad (docs/DESIGN.md section 5.1)
+    preserve_input = preserve_input or torch.compiler.is_compiling()
     if preserve_input and group is None and _native_eager(x):
         # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
         return _apply_native(x, weight, bias, running_mean, running_var, residual, bool(training), momentum,

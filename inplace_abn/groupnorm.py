@@ -176,6 +176,7 @@ def inplace_agn(
     invertible, act = _activation_code(activation, activation_param)
     if not invertible:
         _activation.warn_not_invertible(activation, activation_param)
+    preserve_input = preserve_input or torch.compiler.is_compiling()  # as inplace_abn's _apply
     if preserve_input and invertible and x.numel() > 0 and _native_eager(x) and _groupnorm_ops._native_ok(x, act):
         # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
         return _NATIVE_AGN_OUT(x, weight, bias, None if residual is None else _like_layout(residual, x),

@@ -288,3 +288,32 @@ def test_sync_compiled_matches_eager_two_ranks(tmp_path):
         # the call with collectives); both convolutions, before and after it, are compiled.
         assert report["compiled_convs"] == 2, report
         assert report["breaks"] and all("InPlaceABNSync" in reason for reason in report["breaks"]), report
+
+
+@pytest.mark.filterwarnings("ignore:In-place ABN with relu is not invertible")
+@pytest.mark.parametrize("layer_kind,activation", [("abn", "leaky_relu"), ("abn", "relu"), ("abn", "silu"),
+                                                   ("agn", "leaky_relu"), ("agn", "silu")])
+def test_compiled_layer_on_a_graph_input_that_requires_grad(layer_kind, activation):
+    """The layer compiled on its own, its input a graph input that requires grad (the output
+    of an earlier, uncompiled part): the input gradient equals stock BatchNorm / GroupNorm +
+    activation in float64. With the write into x, AOTAutograd returned a wrong input
+    gradient here (relative error ~1); compiled layers now run out of place."""
+    torch.manual_seed(0)
+    x0 = torch.randn(4, 8, 5, 6, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(4, 8, 5, 6, dtype=torch.float64)
+    layer = (InPlaceABN(8, activation=activation, activation_param=0.1) if layer_kind == "abn" else
+             inplace_abn.InPlaceAGN(2, 8, activation=activation, activation_param=0.1)).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(8, dtype=torch.float64) + 0.5)
+        layer.bias.copy_(torch.randn(8, dtype=torch.float64))
+    compiled = torch.compile(layer, backend="aot_eager")
+    got = torch.autograd.grad(compiled(x0 * 1.0), [x0, layer.weight, layer.bias], dy)  # x0 * 1: a graph input
+    xr = x0.detach().clone().requires_grad_()
+    w = layer.weight.detach().abs() + layer.eps
+    wr, br = w.clone().requires_grad_(), layer.bias.detach().clone().requires_grad_()
+    z = (nn.functional.batch_norm(xr, None, None, wr, br, True, 0.1, layer.eps) if layer_kind == "abn" else
+         nn.functional.group_norm(xr, 2, wr, br, layer.eps))
+    f = {"leaky_relu": lambda t: nn.functional.leaky_relu(t, 0.1), "relu": torch.relu, "silu": nn.functional.silu}
+    ref = torch.autograd.grad(f[activation](z), [xr, wr, br], dy)
+    assert rel_err(got[0], ref[0]) < 1e-10, rel_err(got[0], ref[0])
+    assert rel_err(got[1], ref[1]) < 1e-10 and rel_err(got[2], ref[2]) < 1e-10
