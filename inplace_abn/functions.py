@@ -292,9 +292,9 @@ class _InPlaceABNFunction(torch.autograd.Function):
         y, var, weight, bias, residual, mask = ctx.saved_tensors
         training, eps, act, p, signed, group, count, invertible, dtype, backend = ctx.config
         ops = _backend.ops_for(y, backend)
-        # ReLU (y holds z): the native operators apply its derivative as they read dy
-        # (relu=True, one pass less); the pure ones get dy thresholded first
-        relu = {"relu": True} if not invertible and ops is _backend.NATIVE else {}
+        # ReLU (y holds z): the native CPU operators apply its derivative as they read dy
+        # (relu=True, one pass less); elsewhere dy is thresholded once, first
+        relu = {"relu": True} if not invertible and ops is _backend.NATIVE and y.is_cpu else {}
         dy = _output_grad(dy, y, invertible or bool(relu))
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[5]

@@ -156,9 +156,12 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     const OptTensor w = opt(weight), b = opt(bias), r = opt(sv.residual);
     const at::Tensor& mask = sv.mask;
 
-    // y's layout (and, for ReLU, z's dtype), once for both passes; for ReLU the
-    // operators apply its derivative as they read dy (relu: no threshold pass first)
-    const at::Tensor dy = like(grads[0], y);
+    // y's layout (and, for ReLU, z's dtype), once for both passes. ReLU: the CPU
+    // operators apply its derivative as they read dy (no threshold pass); elsewhere
+    // dy is thresholded once here (the operators' relu would do it in each of them)
+    const bool kernel_relu = relu && y.is_cpu();
+    at::Tensor dy = like(grads[0], y);
+    if (relu && !kernel_relu) dy = at::threshold_backward(dy, y, 0);
     // The sums feed dweight, dbias and, in training, dx; in eval mode with frozen
     // parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
     const bool reduce = need_w || need_b || (training && (need_x || need_r));
@@ -167,7 +170,8 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
     at::Tensor sum_gz, sum_gzx, dx, dr;
     if (reduce)
-      std::tie(sum_gz, sum_gzx) = ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0, relu);
+      std::tie(sum_gz, sum_gzx) =
+          ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0, kernel_relu);
     if (need_x || need_r) {
       // training: the kernel scales the raw sums by 1/n; eval: the statistics are
       // constants, scale 0 drops these (any (C,) tensor)
@@ -179,7 +183,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
         dr = ops().input_z.call(z, dy, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r, scale, 0);
       } else {
         std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r,
-                                            scale, 0, relu);
+                                            scale, 0, kernel_relu);
       }
       dx = need_x ? cast(dx, dtype) : at::Tensor();
       dr = need_r ? cast(dr, dtype) : at::Tensor();
