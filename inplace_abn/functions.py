@@ -149,11 +149,12 @@ def _refuse_double_backward(op, twin):
         )
 
 
-def _output_grad(dy, y, invertible):
-    """dy in y's layout; for a non-invertible activation (y holds z) times the ReLU derivative
-    (ReLU's own backward kernel: one pass over dy and z, no mask tensor)."""
+def _output_grad(dy, y, threshold):
+    """dy in y's layout; with ``threshold`` (a ReLU layer: y holds z, and the operators do not
+    apply the derivative themselves) times the ReLU derivative (ReLU's own backward kernel:
+    one pass over dy and z, no mask tensor)."""
     dy = _like_layout(dy, y)
-    return dy if invertible else torch.ops.aten.threshold_backward(dy.to(y.dtype), y, 0)
+    return torch.ops.aten.threshold_backward(dy.to(y.dtype), y, 0) if threshold else dy
 
 
 def _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b, weight_grad=None):
@@ -295,7 +296,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
         # ReLU (y holds z): the native CPU operators apply its derivative as they read dy
         # (relu=True, one pass less); elsewhere dy is thresholded once, first
         relu = {"relu": True} if not invertible and ops is _backend.NATIVE and y.is_cpu else {}
-        dy = _output_grad(dy, y, invertible or bool(relu))
+        dy = _output_grad(dy, y, threshold=not invertible and not relu)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[5]
 
@@ -485,10 +486,7 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
-    # Compiled: out of place (no extra pass, y alone kept): with the write into x,
-    # AOTAutograd returned a wrong input gradient whenever x was a graph input that
-    # requires grad (docs/DESIGN.md section 5.1)
-    preserve_input = preserve_input or torch.compiler.is_compiling()
+    preserve_input = _out_of_place(preserve_input)
     if preserve_input and group is None and _native_eager(x):
         # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
         return _apply_native(x, weight, bias, running_mean, running_var, residual, bool(training), momentum,
@@ -499,6 +497,13 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     if group is None and not preserve_input and _native_autograd(x, (x, weight, bias, residual)):
         return _apply_native(*args[:-2], counter)
     return count_batch(_run(_InPlaceABNFunction, args, (x, weight, bias, residual)), counter)
+
+
+def _out_of_place(preserve_input) -> bool:
+    """Whether a layer writes y to a new tensor: ``preserve_input``, and always under
+    torch.compile (no extra pass, y alone kept): with the write into x, AOTAutograd returned a
+    wrong input gradient whenever x was a graph input that requires grad (docs/DESIGN.md section 5.1)."""
+    return preserve_input or torch.compiler.is_compiling()
 
 
 def module_affine(module):

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from . import _activation, _backend, _groupnorm_ops
 from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
-                        _native_eager, _output_grad, _output_tensor, _param_grads, _prepare, _refuse_double_backward,
-                        _result, _run, _write, module_affine)
+                        _native_eager, _out_of_place, _output_grad, _output_tensor, _param_grads, _prepare,
+                        _refuse_double_backward, _result, _run, _write, module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -50,7 +50,7 @@ class _InPlaceAGNFunction(torch.autograd.Function):
         y, var, weight, bias, residual, mask = ctx.saved_tensors
         eps, act, p, signed, invertible, dtype, backend = ctx.config
         ops = _groupnorm_ops.ops_for(y, backend)
-        dy = _output_grad(dy, y, invertible)
+        dy = _output_grad(dy, y, threshold=not invertible)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_r = residual is not None and ctx.needs_input_grad[3]
         G = var.shape[1]
@@ -176,7 +176,7 @@ def inplace_agn(
     invertible, act = _activation_code(activation, activation_param)
     if not invertible:
         _activation.warn_not_invertible(activation, activation_param)
-    preserve_input = preserve_input or torch.compiler.is_compiling()  # as inplace_abn's _apply
+    preserve_input = _out_of_place(preserve_input)
     if preserve_input and invertible and x.numel() > 0 and _native_eager(x) and _groupnorm_ops._native_ok(x, act):
         # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
         return _NATIVE_AGN_OUT(x, weight, bias, None if residual is None else _like_layout(residual, x),
