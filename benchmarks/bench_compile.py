@@ -9,14 +9,20 @@ Prints one row per variant: compile time (first step), median and best step
 time in ms over --iters steps (the variants' steps interleaved, so a busy
 machine slows them alike), and their ratios to the compiled stock net. Eager
 rows (not compiled) are given for reference. On a shared machine the best
-step is the steadier figure. The last column is the activation memory saved
-for backward by one forward (docs/DESIGN.md section 5; parameters left out).
+step is the steadier figure. The last two columns are memory: what one forward
+saves for backward (docs/DESIGN.md section 5; parameters left out), and the peak
+of what one training step allocates (forward + backward: the most bytes live at
+once among the tensors allocated during the step, from the profiler's CPU memory
+events; the parameters, their gradients of the step before and the input, allocated
+earlier, are left out).
 """
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -69,6 +75,23 @@ def measure(models, x, target, iters, warmup):
     return {name: (first[name], statistics.median(t), min(t)) for name, t in times.items()}
 
 
+def step_peak_bytes(model, x, target) -> int:
+    """Peak bytes allocated during one training step, counted from its start: the
+    largest running total of the profiler's CPU [memory] events (allocations and frees
+    of the step; tensors allocated before it are not in the total)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, x, target)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    if not totals:
+        raise RuntimeError("the profiler recorded no CPU memory events for the step")
+    return max(totals)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -102,6 +125,7 @@ def main():
             models[f"{norm} compiled"] = torch.compile(copy.deepcopy(net), backend=args.compiler)
         rows = measure(models, x, target, args.iters, args.warmup)
         saved = {name: model_saved_bytes(m, x) / 2**20 for name, m in models.items()}
+        peak = {name: step_peak_bytes(m, x, target) / 2**20 for name, m in models.items()}
 
     _, base_med, base_best = rows["stock compiled"]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, inplace_abn kernels: {backend}, "
@@ -109,10 +133,10 @@ def main():
     print(f"net: conv3x3 + norm/{args.activation} x {args.blocks + 1}, batch {args.batch}, "
           f"{args.channels} channels, {args.size}x{args.size}; forward + backward, {args.iters} steps")
     print(f"{'variant':<22}{'first step (s)':>15}{'median (ms)':>13}{'best (ms)':>11}"
-          f"{'median/stock comp.':>20}{'best/stock comp.':>18}{'saved for bwd (MiB)':>21}")
+          f"{'median/stock comp.':>20}{'best/stock comp.':>18}{'saved for bwd (MiB)':>21}{'step peak (MiB)':>17}")
     for name, (first, med, best) in rows.items():
         print(f"{name:<22}{first:>15.2f}{med * 1e3:>13.2f}{best * 1e3:>11.2f}{med / base_med:>20.2f}"
-              f"{best / base_best:>18.2f}{saved[name]:>21.2f}")
+              f"{best / base_best:>18.2f}{saved[name]:>21.2f}{peak[name]:>17.2f}")
 
 
 if __name__ == "__main__":
