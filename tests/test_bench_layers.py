@@ -55,3 +55,25 @@ def test_bench_groupnorm_unet_layers():
     assert sum(layers.values()) == 45
     assert {act for (_, _, _, act) in layers} == {"silu"} and {g for (_, _, g, _) in layers} == {8}
     assert {cl for (_, cl, _, _) in layers} == {False, True}
+
+
+@pytest.mark.parametrize("activation", ["identity", "silu"])
+@pytest.mark.parametrize("variant", ["ours", "stock"])
+def test_count_instructions_worker_checks_and_runs(variant, activation, capsys):
+    """The step that benchmarks/count_instructions.py counts under callgrind: both layers
+    checked against each other first, then the steps of one; the ISA printed."""
+    import count_instructions
+
+    count_instructions.worker(variant, (2, 8, 4, 4), activation, 2)
+    assert capsys.readouterr().out.strip() == f"ISA {torch.backends.cpu.get_cpu_capability()}"
+
+
+def test_count_instructions_worker_refuses_different_layers(monkeypatch):
+    """A stock layer that computes something else (another activation) is refused."""
+    import count_instructions
+
+    both = count_instructions.layers((2, 8, 4, 4), "silu")
+    monkeypatch.setattr(count_instructions, "layers",
+                        lambda shape, act: {"ours": both["ours"], "stock": torch.nn.BatchNorm2d(8)})
+    with pytest.raises(RuntimeError, match="disagree on the input gradient"):
+        count_instructions.worker("ours", (2, 8, 4, 4), "silu", 1)
