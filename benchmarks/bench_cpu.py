@@ -106,15 +106,22 @@ def _interleaved(fns, repeats, warmup=10):
     return [statistics.median(t) for t in times], [f / repeats for f in faults]
 
 
+def layers(shape, activation):
+    """(ours, bn, stock) for an (N, C, ...) shape, float32: InPlaceABN, and the stock
+    BatchNorm (bn) + activation as nn.Sequential(bn, activation), the same layer."""
+    C = shape[1]
+    ours = InPlaceABN(C, activation=activation, activation_param=PARAM.get(activation, 0.01))
+    bn = {4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(len(shape), nn.BatchNorm1d)(C)
+    return ours, bn, nn.Sequential(bn, ACT[activation]())
+
+
 def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_only=False, preserve=False):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    C = shape[1]
     src = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
     dy = torch.randn(shape, dtype=dtype).contiguous(memory_format=fmt)
     leaf = src.clone().requires_grad_()
-    ours = InPlaceABN(C, activation=activation, activation_param=PARAM.get(activation, 0.01)).to(dtype)
-    bn = {4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(len(shape), nn.BatchNorm1d)(C)
-    stock = nn.Sequential(bn, ACT[activation]()).to(dtype)
+    ours, bn, stock = layers(shape, activation)
+    ours, stock = ours.to(dtype), stock.to(dtype)
 
     def run_ours():
         y = ours(leaf.clone(memory_format=torch.preserve_format))
