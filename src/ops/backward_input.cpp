@@ -52,8 +52,8 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
   const auto in = input_args(y, grp, var, weight, bias, mean_gz, mean_gz_xhat, sums_scale);
   const Geometry g = y.numel() > 0 ? geometry_of(y, "y") : Geometry{};  // the layout check before allocating
   // y's dtype and memory format (a dense tensor keeps its strides)
-  at::Tensor dx = at::empty_like(y, at::MemoryFormat::Preserve);
-  at::Tensor dres = residual_grad ? at::empty_like(y, at::MemoryFormat::Preserve) : at::empty({0}, y.options());
+  at::Tensor dx = new_like(y);
+  at::Tensor dres = residual_grad ? new_like(y) : new_empty({0}, y.options());
   if (y.numel() == 0) return {dx, dres};
   c10::OptionalDeviceGuard guard(y.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
@@ -81,7 +81,7 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, con
   const Groups grp(z, groups);
   const auto in = input_args(z, grp, var, weight, bias, mean_gz, mean_gz_xhat, sums_scale);
   const Geometry g = z.numel() > 0 ? geometry_of(z, "z") : Geometry{};
-  at::Tensor dres = residual_grad ? at::empty_like(z, at::MemoryFormat::Preserve) : at::empty({0}, z.options());
+  at::Tensor dres = residual_grad ? new_like(z) : new_empty({0}, z.options());
   if (z.numel() == 0) return dres;
   const TableGuard table_guard;
   const at::Tensor zv = grp.view(z);

@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& y, const at
   const auto shape = grp.G ? std::vector<int64_t>{y.size(0), y.size(1)} : std::vector<int64_t>{y.size(1)};
   if (y.numel() == 0) return {at::zeros(shape, opts), at::zeros(shape, opts)};
   c10::OptionalDeviceGuard guard(y.device());
-  const at::Tensor sum_gz = at::empty(shape, opts), sum_gz_xhat = at::empty(shape, opts);
+  const at::Tensor sum_gz = new_empty(shape, opts), sum_gz_xhat = new_empty(shape, opts);
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
   const at::Tensor yv = grp.view(y);
   const at::Tensor coef = coef_table<2>(yv, in, [&](const auto& v) {

@@ -42,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor> group_stats(const at::Tensor& x, const OptTen
   const auto opts = x.options().dtype(acc_type_of(x.scalar_type()));
   if (x.numel() == 0) return {at::zeros({N, G}, opts), at::zeros({N, G}, opts)};
   c10::OptionalDeviceGuard guard(x.device());
-  const at::Tensor mean = at::empty({N, G}, opts), var = at::empty({N, G}, opts);
+  const at::Tensor mean = new_empty({N, G}, opts), var = new_empty({N, G}, opts);
   if (!grp.per_sample) {
     const at::Tensor xv = x.view({1, N * G, -1});
     batch_stats_stub({.x = xv, .out1 = mean.view(-1), .out2 = var.view(-1), .g = geometry_of(xv, "x")});
@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const OptTen
   const bool update = running_mean.has_value() || running_var.has_value();
   TORCH_CHECK(!update || n > 1, "inplace_abn: expected more than 1 value per channel when training, got ", n);
   c10::OptionalDeviceGuard guard(x.device());
-  const at::Tensor mean = at::empty({C}, opts), var = at::empty({C}, opts);
+  const at::Tensor mean = new_empty({C}, opts), var = new_empty({C}, opts);
   batch_stats_stub({.x = x, .out1 = mean, .out2 = var, .g = geometry_of(x, "x")});
   if (update) {
     const at::NoGradGuard no_grad;  // buffers: no autograd history

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
@@ -120,6 +121,17 @@ inline Geometry geometry_of(const at::Tensor& x, const char* name) {
   return Geometry{N, C, N * C > 0 ? numel / (N * C) : 0, numel, cl};
 }
 
+// New tensors, on the CPU without the dispatcher round trips of at::empty and
+// at::empty_like (~0.7k instructions each; a small layer's step allocates ten).
+inline at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& o) {
+  return o.device().is_cpu() ? at::Tensor(at::detail::empty_cpu(sizes, o)) : at::empty(sizes, o);
+}
+// t's sizes, dtype and memory layout, as at::empty_like(t, Preserve)
+inline at::Tensor new_like(const at::Tensor& t) {
+  if (!t.is_cpu() || !t.is_non_overlapping_and_dense()) return at::empty_like(t, at::MemoryFormat::Preserve);
+  return at::detail::empty_strided_cpu(t.sizes(), t.strides(), t.options());
+}
+
 // `t` with ref's dtype and memory order: t itself when it has them, else a
 // copy (a gradient may arrive in another layout, a residual in another dtype).
 inline at::Tensor like(const at::Tensor& t, const at::Tensor& ref) {
@@ -128,7 +140,7 @@ inline at::Tensor like(const at::Tensor& t, const at::Tensor& ref) {
           ? t.is_contiguous(ref.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d)
           : t.is_contiguous();
   if (t.scalar_type() == ref.scalar_type() && same_order) return t;
-  return at::empty_like(ref, at::MemoryFormat::Preserve).copy_(t);
+  return new_like(ref).copy_(t);
 }
 inline at::Tensor like(const OptTensor& t, const at::Tensor& ref) { return t.has_value() ? like(*t, ref) : at::Tensor(); }
 
@@ -220,12 +232,29 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
     return at::stack(r).to(acc);
   }
   std::array<std::optional<DoubleReader>, K> rd;
-  for (size_t k = 0; k < K; ++k)
+  bool flat = true;  // BatchNorm: every input read at the column itself
+  for (size_t k = 0; k < K; ++k) {
     if (in[k].t.has_value()) rd[k].emplace(*in[k].t);  // (read flat: (N, G) statistics too)
+    flat = flat && in[k].div == 1 && in[k].mod == 0;
+  }
   constexpr size_t R = std::tuple_size_v<decltype(rows(std::array<double, K>{}))>;
-  at::Tensor table = at::empty({int64_t(R), C}, x.options().dtype(acc));
+  at::Tensor table = new_empty({int64_t(R), C}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "coef_table", [&] {
     scalar_t* out = table.template data_ptr<scalar_t>();
+    auto put = [&](int64_t c, const std::array<double, K>& vc) {
+      const auto rw = rows(vc);
+      for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
+    };
+    // BatchNorm's columns without the bookkeeping below, which the compiler kept
+    // in the loop: 5.5k instructions less per training step at 2x32x7x7 (callgrind)
+    if (flat && C < 2048) {
+      for (int64_t c = 0; c < C; ++c) {
+        std::array<double, K> vc;
+        for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
+        put(c, vc);
+      }
+      return;
+    }
     // GroupNorm mode has N C columns: split them across threads, and count the
     // entries read (q, r: k = q div + r) on instead of dividing per column (the
     // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
@@ -245,8 +274,7 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
             if (++q[k] == in[k].mod) q[k] = 0;
           }
         }
-        const auto rw = rows(vc);
-        for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
+        put(c, vc);
       }
     });
   });

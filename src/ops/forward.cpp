@@ -43,7 +43,7 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
     TORCH_CHECK(is_channels_last(x) ? is_channels_last(*z_out) : z_out->is_contiguous(),
                 "inplace_abn: z_out must have x's memory layout (contiguous or channels-last)");
   }
-  at::Tensor mask = at::empty({act == Act::Silu ? grp.mask_size(x) : 0}, x.options().dtype(at::kInt));
+  at::Tensor mask = new_empty({act == Act::Silu ? grp.mask_size(x) : 0}, x.options().dtype(at::kInt));
   if (x.numel() == 0) return mask;
   c10::OptionalDeviceGuard guard(x.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)

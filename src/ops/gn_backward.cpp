@@ -34,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
     const OptTensor& bias, const OptTensor& residual, int64_t G, double eps, int64_t activation, double param,
     bool signed_weight, bool residual_grad) {
   const bool keep_z = silu_keeps_z(y, activation);
-  const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
+  const at::Tensor z = keep_z ? new_like(y) : at::Tensor();
   const auto [s_gz, s_gzx] = backward_reduce(y, dy, mask, weight, bias, residual, eps, activation, param,
                                              signed_weight, keep_z ? OptTensor(z) : std::nullopt, 1, false);
   const int64_t N = y.size(0), C = y.size(1), m = y.numel() / (N * G);  // m: elements per (n, group)
@@ -67,11 +67,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
                     signed_weight, residual_grad);
   const std::array<ChannelInput, 3> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight"),
                                        grp.stat(var, 0.0, y, "var")};
-  at::Tensor dx = at::empty_like(y);
-  at::Tensor dres = residual_grad ? at::empty_like(y) : at::empty({0}, y.options());
+  at::Tensor dx = new_like(y);
+  at::Tensor dres = residual_grad ? new_like(y) : new_empty({0}, y.options());
   const auto opts = y.options().dtype(acc_type_of(y.scalar_type()));
   if (y.numel() == 0) return {dx, dres, at::zeros({y.size(1)}, opts), at::zeros({y.size(1)}, opts)};
-  const at::Tensor sum_gz = at::empty({y.size(1)}, opts), sum_gz_xhat = at::empty({y.size(1)}, opts);
+  const at::Tensor sum_gz = new_empty({y.size(1)}, opts), sum_gz_xhat = new_empty({y.size(1)}, opts);
   const TableGuard table_guard;
   const at::Tensor coef = coef_table<3>(grp.view(y), in, [&](const auto& v) {
     return std::array{v[0], gain(v[1], weight.has_value(), eps, signed_weight), inv_std(v[2], eps)};

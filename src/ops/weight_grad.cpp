@@ -17,7 +17,7 @@ at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, 
               "inplace_abn: weight_grad needs floating point tensors, got ", sum_gz_xhat.scalar_type(), " and ",
               weight.scalar_type());
   c10::OptionalDeviceGuard guard(weight.device());
-  at::Tensor out = at::empty({weight.size(0)}, weight.options());
+  at::Tensor out = new_empty({weight.size(0)}, weight.options());
   if (signed_weight) return out.copy_(sum_gz_xhat);  // dg~/dweight = 1
   if (!weight.is_cpu()) {  // sign(w) s in s's dtype, as torch computes it; no host sync
     const at::NoGradGuard no_grad;
