@@ -43,6 +43,13 @@ const Ops& ops() {
 
 OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
+// The layers differentiate their operator calls themselves, so these skip the
+// operators' Autograd kernel (NoGrad below), whose checks of every argument
+// would only cost time: the calls go straight to the backend kernels, through
+// the dispatcher still, so that dispatch modes, fake tensors and the profiler
+// see them (2x32x7x7 identity, one training step: ~3k of ~460k instructions).
+using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
+
 // t in dtype; no operator call when it already is (a same-dtype to() is still a
 // dispatcher call, ~0.3 us: four per backward of a small layer)
 at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
@@ -114,6 +121,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
                             const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& residual,
                             bool training, double momentum, double eps, int64_t act, double param,
                             bool signed_weight, bool relu, const OptTensor& num_batches_tracked, bool out_of_place) {
+    std::optional<BelowAutograd> below(std::in_place);
     at::Tensor mean, var;
     if (training) {  // (the count check is the caller's; batch_stats moves the running statistics)
       std::tie(mean, var) = ops().stats.call(x, running_mean, running_var, momentum, 0);
@@ -133,6 +141,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
       mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0,
                             source);
     }
+    below.reset();  // (add_ on other devices bumps the counter's version in ADInplaceOrView)
     if (num_batches_tracked.has_value()) count_batch(*num_batches_tracked);
     const int64_t C = x.size(1);
     const Edges e(weight, bias, running_mean, running_var, residual);
@@ -145,6 +154,7 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Saved sv(ctx, "inplace_abn", "ABN layer (BatchNorm + activation)");
+    const BelowAutograd below;
     const at::Tensor &y = sv.y, &var = sv.var, &weight = sv.weight, &bias = sv.bias;
     const int64_t act = sv.i[0], count = sv.i[1];
     const auto dtype = static_cast<at::ScalarType>(sv.i[2]);
@@ -211,6 +221,7 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
                             bool signed_weight, bool out_of_place) {
     TORCH_CHECK(x.numel() > 0 && groups > 0 && x.size(1) % groups == 0,
                 "inplace_abn: inplace_agn(_) needs a non-empty x and groups dividing C");
+    const BelowAutograd below;
     const auto [mean, var] = ops().stats.call(x, std::nullopt, std::nullopt, 0.0, groups);
     const at::Tensor y = out_of_place ? at::empty_like(x, at::MemoryFormat::Preserve) : x;
     const at::Tensor mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight,
@@ -223,6 +234,7 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Saved sv(ctx, "inplace_agn", "AGN layer (GroupNorm + activation)");
+    const BelowAutograd below;
     const at::Tensor &y = sv.y, &var = sv.var, &weight = sv.weight, &bias = sv.bias, &mask = sv.mask;
     const int64_t act = sv.i[0], G = sv.i[1];
     const bool signed_weight = sv.i[5];
@@ -280,9 +292,9 @@ bool needs_grad(const T&, bool) {
 }
 
 // The Autograd kernel of an operator without a derivative (all but the two
-// layers): the layers call them with grad mode off. Gradients through a direct
-// call with grad mode on (or tangents through one under forward AD) would be
-// missing, so that raises. Without this kernel each call took PyTorch's boxed
+// layers), for direct calls (the layers' own calls skip it: BelowAutograd).
+// Gradients through a direct call with grad mode on (or tangents through one
+// under forward AD) would be missing, so that raises. Without this kernel each call took PyTorch's boxed
 // fallback for operators without autograd (box the arguments, inspect them,
 // redispatch, unbox): ~1.7 us of a 2x32x7x7 layer's 49 us training step
 // (docs/DESIGN.md section 7.3).
