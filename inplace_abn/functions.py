@@ -174,10 +174,12 @@ def _param_grads(sum_gz, sum_gzx, weight, bias, signed, need_w, need_b, weight_g
     return dweight, dbias
 
 
-def _check_common(op, x, residual, eps, activation, activation_param, weight_mode, writes_x=True, **per_channel):
+def _check_common(op, x, residual, eps, activation, activation_param, weight_mode, writes_x=True, check_channels=True,
+                  **per_channel):
     """The checks every in-place layer makes, before anything is written:
-    input, activation, weight mode, eps, the (C,) tensors ``per_channel``, the
-    residual, forward-mode tangents and (``writes_x``) whether x may be overwritten."""
+    input, activation, weight mode, eps, the (C,) tensors ``per_channel`` (unless
+    ``check_channels`` is False: `_check_channels` later), the residual,
+    forward-mode tangents and (``writes_x``) whether x may be overwritten."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -189,21 +191,9 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
         raise ValueError(f"{op}: weight_mode must be 'abs' or 'signed', got {weight_mode!r}")
     if not eps > 0:
         raise ValueError(f"{op}: eps must be > 0, got {eps}")
-    C, on_cpu = x.shape[1], x.is_cpu
-    shape = (C,)
-    for name, t in per_channel.items():  # (a hot loop: ~1 us per layer call)
-        if t is None:
-            continue
-        if t.shape != shape:
-            raise ValueError(
-                f"{op}: the input has {C} channels but {name} has shape {list(t.shape)} "
-                f"(expected [{C}])"
-            )
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
-        # (.device builds a torch.device per call; is_cpu settles the common case)
-        if not (on_cpu and t.is_cpu) and t.device != x.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but the input is on {x.device}")
+    if check_channels:
+        _check_channels(op, x, per_channel)
+    on_cpu = x.is_cpu
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(
@@ -218,6 +208,25 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
         requires_grad = requires_grad or (t is not None and t.requires_grad)
     if writes_x:
         _check_writable(x, residual, requires_grad)
+
+
+def _check_channels(op, x, per_channel):
+    """The (C,) tensors of ``per_channel`` ({name: tensor or None}): shape, dtype, device."""
+    C, on_cpu = x.shape[1], x.is_cpu
+    shape = (C,)
+    for name, t in per_channel.items():  # (a hot loop: ~1 us per tensor)
+        if t is None:
+            continue
+        if t.shape != shape:
+            raise ValueError(
+                f"{op}: the input has {C} channels but {name} has shape {list(t.shape)} "
+                f"(expected [{C}])"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
+        # (.device builds a torch.device per call; is_cpu settles the common case)
+        if not (on_cpu and t.is_cpu) and t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but the input is on {x.device}")
 
 
 def _run(function, args, differentiable):
@@ -343,11 +352,16 @@ class _InPlaceABNFunction(torch.autograd.Function):
 
 
 def _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
-                activation_param, weight_mode, writes_x=True):
+                activation_param, weight_mode, writes_x=True, check_channels=True):
     if not training and (running_mean is None or running_var is None):
         raise ValueError("inplace_abn: evaluation mode (training=False) needs running_mean and running_var")
-    _check_common("inplace_abn", x, residual, eps, activation, activation_param, weight_mode, writes_x, weight=weight,
-                  bias=bias, running_mean=running_mean, running_var=running_var)
+    _check_common("inplace_abn", x, residual, eps, activation, activation_param, weight_mode, writes_x,
+                  check_channels, weight=weight, bias=bias, running_mean=running_mean, running_var=running_var)
+
+
+def _check_layer_channels(x, weight, bias, running_mean, running_var):
+    _check_channels("inplace_abn", x, dict(weight=weight, bias=bias, running_mean=running_mean,
+                                           running_var=running_var))
 
 
 _VIEW_REFUSED = {
@@ -475,9 +489,18 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     module's num_batches_tracked, to which 1 is added once the layer has run (by the
     native op itself where it runs: one operator call less, docs/DESIGN.md 7.3).
     ``preserve_input``: the output in a new tensor (`inplace_abn`'s argument)."""
+    # The per-channel tensors: the native layers check them before writing anything
+    # (abn_layer, src/ops/autograd.cpp), and Python then only to word a refusal as
+    # every path does (_native); ~4 us of a small layer's call.
     _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
-                activation_param, weight_mode, writes_x=not preserve_input)
-    if group is None and (torch.compiler.is_exporting() or torch.jit.is_tracing()):
+                activation_param, weight_mode, writes_x=not preserve_input, check_channels=False)
+    exporting = group is None and (torch.compiler.is_exporting() or torch.jit.is_tracing())
+    # the C++ layers: out of place, or in place with a backward to record; eager, native backend
+    native = group is None and not exporting and (
+        _native_eager(x) if preserve_input else _native_autograd(x, (x, weight, bias, residual)))
+    if not native:
+        _check_layer_channels(x, weight, bias, running_mean, running_var)
+    if exporting:
         # Export: stock operators, the output is a new tensor (x is not overwritten).
         y = _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
                           0.0 if momentum is None else float(momentum), float(eps), activation,
@@ -487,15 +510,14 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
     preserve_input = _out_of_place(preserve_input)
-    if preserve_input and group is None and _native_eager(x):
-        # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
-        return _apply_native(x, weight, bias, running_mean, running_var, residual, bool(training), momentum,
-                             float(eps), activation, float(activation_param), weight_mode == "signed", counter,
-                             out_of_place=True)
     args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
             float(activation_param), weight_mode == "signed", group, preserve_input)
-    if group is None and not preserve_input and _native_autograd(x, (x, weight, bias, residual)):
-        return _apply_native(*args[:-2], counter)
+    if native:  # (src/ops/autograd.cpp; out of place, forward_ reads x and writes a new tensor)
+        try:
+            return _apply_native(*args[:-2], counter, out_of_place=preserve_input)
+        except (RuntimeError, ValueError, TypeError):
+            _check_layer_channels(x, weight, bias, running_mean, running_var)  # this refusal in Python's words
+            raise
     return count_batch(_run(_InPlaceABNFunction, args, (x, weight, bias, residual)), counter)
 
 

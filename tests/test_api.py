@@ -172,6 +172,30 @@ def test_wrong_channel_count():
         InPlaceABN(4)(_x(2, 3, 5, 5))
 
 
+@pytest.mark.parametrize("records_backward", [True, False])  # the C++ layer checks / Python does
+@pytest.mark.parametrize("preserve_input", [False, True])
+@pytest.mark.parametrize("name", ["weight", "bias", "running_mean", "running_var"])
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_per_channel_refusal_is_worded_alike_and_writes_nothing(backend, records_backward, preserve_input, name, bad):
+    # With a backward to record, the native layers check the (C,) tensors in C++ and Python
+    # words the refusal (functions._apply): the same error as on the Python path, raised
+    # before x or the running statistics change.
+    x = _x(6, 4, 3)
+    t = dict(weight=torch.rand(4) + 0.5, bias=torch.randn(4), running_mean=torch.zeros(4), running_var=torch.ones(4))
+    t[name] = torch.ones(5) if bad == "shape" else torch.ones(4, dtype=torch.int64)
+    for k in ("weight", "bias"):
+        t[k].requires_grad_(records_backward and t[k].is_floating_point())
+    x_before, t_before = x.clone(), {k: v.detach().clone() for k, v in t.items()}
+    err, msg = ((ValueError, f"input has 4 channels but {name} has shape \\[5\\] \\(expected \\[4\\]\\)")
+                if bad == "shape" else (TypeError, f"inplace_abn: {name} must be floating point, got torch.int64"))
+    with pytest.raises(err, match=msg):
+        iabn(x, t["weight"], t["bias"], t["running_mean"], t["running_var"], True, 0.1, 1e-5, "leaky_relu", 0.01,
+             preserve_input=preserve_input)
+    assert torch.equal(x, x_before)
+    for k, v in t.items():
+        assert torch.equal(v.detach(), t_before[k]), k
+
+
 def test_wrong_rank():
     with pytest.raises(ValueError, match="shape \\(N, C, ...\\)"):
         InPlaceABN(4)(_x(4))

@@ -275,6 +275,13 @@ at::Tensor abn_layer(const at::Tensor& x, const OptTensor& weight, const OptTens
                      bool training, double momentum, double eps, int64_t activation, double activation_param,
                      bool signed_weight, bool relu, const OptTensor& num_batches_tracked) {
   TORCH_CHECK(!relu || activation == 0, "inplace_abn: relu=True needs activation 0 (identity), got ", activation);
+  // Before anything is written: functions._apply leaves these to this call (and
+  // makes them itself only to word a refusal).
+  TORCH_CHECK(x.dim() >= 2, "inplace_abn: expected an input of shape (N, C, ...), got ", x.sizes());
+  check_channel_vector(weight, x, "weight");
+  check_channel_vector(bias, x, "bias");
+  check_channel_vector(running_mean, x, "running_mean");
+  check_channel_vector(running_var, x, "running_var");
   return InPlaceABNFunction::apply(x, weight, bias, running_mean, running_var, residual, training, momentum, eps,
                                    activation, activation_param, signed_weight, relu, num_batches_tracked,
                                    kOutOfPlace);
