@@ -245,9 +245,10 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
       const auto rw = rows(vc);
       for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
     };
+    constexpr int64_t kGrain = 2048;  // columns per task; fewer run on the calling thread
     // BatchNorm's columns without the bookkeeping below, which the compiler kept in
     // the loop (2x32x7x7 step under callgrind: ~5k instructions more with it)
-    if (flat && C < 2048) {
+    if (flat && C < kGrain) {
       for (int64_t c = 0; c < C; ++c) {
         std::array<double, K> vc;
         for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
@@ -258,7 +259,7 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
     // GroupNorm mode has N C columns: split them across threads, and count the
     // entries read (q, r: k = q div + r) on instead of dividing per column (the
     // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
-    at::parallel_for(0, C, 2048, [&](int64_t c0, int64_t c1) {
+    at::parallel_for(0, C, kGrain, [&](int64_t c0, int64_t c1) {
       std::array<int64_t, K> q, r;
       for (size_t k = 0; k < K; ++k) {
         q[k] = c0 / in[k].div;
