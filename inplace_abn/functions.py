@@ -352,11 +352,12 @@ class _InPlaceABNFunction(torch.autograd.Function):
 
 
 def _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
-                activation_param, weight_mode, writes_x=True, check_channels=True):
+                activation_param, weight_mode, writes_x=True):
+    """`_check_common` for `_apply`, all but the per-channel tensors (`_check_layer_channels`)."""
     if not training and (running_mean is None or running_var is None):
         raise ValueError("inplace_abn: evaluation mode (training=False) needs running_mean and running_var")
     _check_common("inplace_abn", x, residual, eps, activation, activation_param, weight_mode, writes_x,
-                  check_channels, weight=weight, bias=bias, running_mean=running_mean, running_var=running_var)
+                  check_channels=False, weight=weight, bias=bias, running_mean=running_mean, running_var=running_var)
 
 
 def _check_layer_channels(x, weight, bias, running_mean, running_var):
@@ -493,7 +494,7 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     # (abn_layer, src/ops/autograd.cpp), and Python then only to word a refusal as
     # every path does (below); ~14k instructions of a 2x32x7x7 step (docs/DESIGN.md 7.3).
     _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
-                activation_param, weight_mode, writes_x=not preserve_input, check_channels=False)
+                activation_param, weight_mode, writes_x=not preserve_input)
     exporting = group is None and (torch.compiler.is_exporting() or torch.jit.is_tracing())
     # the C++ layers: out of place, or in place with a backward to record; eager, native backend
     native = group is None and not exporting and (
