@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation, _backend, _groupnorm_ops
-from .functions import (WEIGHT_MODES, _activation_code, _check_common, _like_layout, _native_autograd,
-                        _native_eager, _out_of_place, _output_grad, _output_tensor, _param_grads, _prepare,
-                        _refuse_double_backward, _result, _run, _write, module_affine)
+from .functions import (WEIGHT_MODES, _activation_code, _check_channels, _check_common, _like_layout,
+                        _native_autograd, _native_eager, _out_of_place, _output_grad, _output_tensor, _param_grads,
+                        _prepare, _refuse_double_backward, _result, _run, _write, module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -168,26 +168,36 @@ def inplace_agn(
     (use `AGN` for double backward).
     """
     _check_groups(x, num_groups)
-    _check_common("inplace_agn", x, residual, eps, activation, activation_param, weight_mode, weight=weight,
-                  bias=bias, writes_x=not preserve_input)
+    # weight and bias: on the native paths forward_ checks them before writing anything
+    # (src/ops/forward.cpp), and Python then only to word a refusal as every path does
+    # (below; ~1 us per tensor and call, as in functions._apply)
+    _check_common("inplace_agn", x, residual, eps, activation, activation_param, weight_mode, check_channels=False,
+                  weight=weight, bias=bias, writes_x=not preserve_input)
+    per_channel = dict(weight=weight, bias=bias)
     if torch.compiler.is_exporting() or torch.jit.is_tracing():
+        _check_channels("inplace_agn", x, per_channel)
         return _standard_ops(x, num_groups, weight, bias, float(eps), activation, float(activation_param), residual,
                              weight_mode)
     invertible, act = _activation_code(activation, activation_param)
     if not invertible:
         _activation.warn_not_invertible(activation, activation_param)
     preserve_input = _out_of_place(preserve_input)
+    native = None
     if preserve_input and invertible and x.numel() > 0 and _native_eager(x) and _groupnorm_ops._native_ok(x, act):
-        # the C++ layer out of place: forward_ reads x, writes a new tensor (src/ops/autograd.cpp)
-        return _NATIVE_AGN_OUT(x, weight, bias, None if residual is None else _like_layout(residual, x),
-                               num_groups, float(eps), act, float(activation_param), weight_mode == "signed")
+        native = _NATIVE_AGN_OUT  # the C++ layer out of place: forward_ reads x, writes a new tensor
+    elif (not preserve_input and invertible and x.numel() > 0 and _native_autograd(x, (x, weight, bias, residual))
+            and _groupnorm_ops._native_ok(x, act)):
+        native = _NATIVE_AGN  # eager: the same steps with the autograd in C++ (docs/DESIGN.md section 7.3)
+    if native is not None:  # (src/ops/autograd.cpp)
+        try:
+            return native(x, weight, bias, None if residual is None else _like_layout(residual, x), num_groups,
+                          float(eps), act, float(activation_param), weight_mode == "signed")
+        except (RuntimeError, ValueError, TypeError):
+            _check_channels("inplace_agn", x, per_channel)  # this refusal in Python's words
+            raise
+    _check_channels("inplace_agn", x, per_channel)
     args = (x, weight, bias, residual, num_groups, float(eps), activation, float(activation_param),
             weight_mode == "signed", preserve_input)
-    if (not preserve_input and invertible and x.numel() > 0 and _native_autograd(x, (x, weight, bias, residual))
-            and _groupnorm_ops._native_ok(x, act)):
-        # eager: the same steps with the autograd in C++ (docs/DESIGN.md section 7.3)
-        return _NATIVE_AGN(x, weight, bias, None if residual is None else _like_layout(residual, x), num_groups,
-                           float(eps), act, float(activation_param), weight_mode == "signed")
     return _run(_InPlaceAGNFunction, args, (x, weight, bias, residual))
 
 

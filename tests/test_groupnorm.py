@@ -247,6 +247,26 @@ def test_errors_before_any_write():
         InPlaceAGN(3, 6, weight_mode="raw")
 
 
+@pytest.mark.parametrize("records_backward", [True, False])  # the C++ layer checks / Python does
+@pytest.mark.parametrize("preserve_input", [False, True])
+@pytest.mark.parametrize("name", ["weight", "bias"])
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_per_channel_refusal_is_worded_alike_and_writes_nothing(backend, records_backward, preserve_input, name, bad):
+    # On the native paths forward_ checks weight and bias and Python words the refusal
+    # (groupnorm.inplace_agn): the same error as on the Python path, before x changes.
+    x = torch.randn(2, 6, 4)
+    t = dict(weight=torch.rand(6) + 0.5, bias=torch.randn(6))
+    t[name] = torch.ones(5) if bad == "shape" else torch.ones(6, dtype=torch.int64)
+    for v in t.values():
+        v.requires_grad_(records_backward and v.is_floating_point())
+    x_before = x.clone()
+    err, msg = ((ValueError, f"input has 6 channels but {name} has shape \\[5\\] \\(expected \\[6\\]\\)")
+                if bad == "shape" else (TypeError, f"inplace_agn: {name} must be floating point, got torch.int64"))
+    with pytest.raises(err, match=msg):
+        inplace_agn(x, 3, t["weight"], t["bias"], activation="leaky_relu", preserve_input=preserve_input)
+    assert torch.equal(x, x_before)
+
+
 def test_refusals_as_inplace_abn():
     leaf = torch.randn(2, 4, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
