@@ -427,11 +427,15 @@ using IO = IOFull<S, std::conditional_t<sizeof(S) == 2, IOReduced<S>, IOPlain<S>
 // ---------------------------------------------------------------------------
 // Walking memory by segments (see the top of the file).
 
-// Length of the super-row: k whole rows of P = C S, at least kMinRow elements.
+// Length of the super-row: k whole rows of P = C S, at least kMinRow elements,
+// but no more rows than the tensor has: the coefficient expansions and the
+// reductions' accumulators and folds cost R per call whatever the tensor's size
+// (2x64: the four operators 256k -> 204k instructions, callgrind, AVX2).
 constexpr int64_t kMinRow = 256;
 inline int64_t super_row(const Walk& g) {
   const int64_t P = g.C * g.inner;
-  return P * std::max<int64_t>(1, (kMinRow + P - 1) / P);
+  const int64_t rows = std::max<int64_t>(1, (g.numel + P - 1) / P);
+  return P * std::min(rows, std::max<int64_t>(1, (kMinRow + P - 1) / P));
 }
 
 // Calls fn(e, n, key) for consecutive segments covering [e0, e1); key is the
@@ -848,6 +852,20 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         // fold the super-row to channels (a fixed order: rows, then positions)
         double* o = buf.data() + 2 * C * u;
         std::fill(o, o + 2 * C, 0.0);
+        // channels-last and (N, C): the same additions in the same order, vectorised over
+        // channels; two lane sums of empty vectors per position cost 13% of the four
+        // operators at 16x512x7x7 channels-last (4.12M -> 3.56M instructions, AVX2)
+        if (g.inner == 1) {
+          for (int64_t k = 0; k < R / C; ++k) {
+            const double* p1 = dacc + k * C;
+            const double* p2 = p1 + RP;
+            for (int64_t c = 0; c < C; ++c) {
+              o[c] += p1[c];
+              o[C + c] += p2[c];
+            }
+          }
+          continue;
+        }
         for (int64_t k = 0; k < R / (C * g.inner); ++k)
           for (int64_t c = 0; c < C; ++c) {
             const double* p1 = dacc + (k * C + c) * g.inner;
