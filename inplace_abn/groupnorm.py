@@ -179,8 +179,6 @@ def inplace_agn(
         return _standard_ops(x, num_groups, weight, bias, float(eps), activation, float(activation_param), residual,
                              weight_mode)
     invertible, act = _activation_code(activation, activation_param)
-    if not invertible:
-        _activation.warn_not_invertible(activation, activation_param)
     preserve_input = _out_of_place(preserve_input)
     native = None
     if preserve_input and invertible and x.numel() > 0 and _native_eager(x) and _groupnorm_ops._native_ok(x, act):
@@ -188,14 +186,16 @@ def inplace_agn(
     elif (not preserve_input and invertible and x.numel() > 0 and _native_autograd(x, (x, weight, bias, residual))
             and _groupnorm_ops._native_ok(x, act)):
         native = _NATIVE_AGN  # eager: the same steps with the autograd in C++ (docs/DESIGN.md section 7.3)
-    if native is not None:  # (src/ops/autograd.cpp)
+    if native is not None:  # (src/ops/autograd.cpp; relu, not invertible, never comes here)
         try:
             return native(x, weight, bias, None if residual is None else _like_layout(residual, x), num_groups,
                           float(eps), act, float(activation_param), weight_mode == "signed")
         except (RuntimeError, ValueError, TypeError):
             _check_channels("inplace_agn", x, per_channel)  # this refusal in Python's words
             raise
-    _check_channels("inplace_agn", x, per_channel)
+    _check_channels("inplace_agn", x, per_channel)  # (a refusal comes before relu's warning)
+    if not invertible:
+        _activation.warn_not_invertible(activation, activation_param)
     args = (x, weight, bias, residual, num_groups, float(eps), activation, float(activation_param),
             weight_mode == "signed", preserve_input)
     return _run(_InPlaceAGNFunction, args, (x, weight, bias, residual))
