@@ -48,7 +48,9 @@ def _has_device_kernel(device_type: str) -> bool:
     found = _device_kernel.get(device_type)
     if found is None:
         key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-        found = key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::forward_", key)
+        # (without the extension the operator is not declared, and asking would raise)
+        found = HAS_NATIVE and key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "inplace_abn::forward_", key)
         _device_kernel[device_type] = found
     return found
 

@@ -223,13 +223,16 @@ NATIVE = {name: globals()["native_" + name] for name in OP_NAMES}
 
 
 def _register():
+    # where the BatchNorm kernels exist (src/ built; without the extension forward_ is not
+    # even declared, and these operators run their pure kernels everywhere)
+    built = _declared("forward_")
     native_keys = [key for key in ("CPU", "CUDA")
-                   if torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::forward_", key)]
+                   if built and torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::forward_", key)]
     for name in OP_NAMES:
         if not _declared(name):
             _lib.define(SCHEMAS[name])
         _lib.impl(name, PURE[name], "CompositeExplicitAutograd")
-        for key in native_keys:  # where the BatchNorm kernels exist (src/ built)
+        for key in native_keys:
             _lib.impl(name, NATIVE[name], key)
 
     def acc(t):

@@ -417,3 +417,66 @@ def test_parametrized_weight_is_used(backend, make):
     (g_plain,) = torch.autograd.grad(y_plain, plain.weight, dy)
     (g_param,) = torch.autograd.grad(y_param, param.parametrizations.weight.original, dy)
     assert rel_err(g_param, 2 * g_plain) < 1e-12
+
+
+_WITHOUT_EXTENSION = r'''
+import importlib.abc, sys, warnings
+
+class _NoExtension(importlib.abc.MetaPathFinder):
+    """As on a machine where src/ was never built: inplace_abn._C cannot be imported."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "inplace_abn._C":
+            raise ImportError("inplace_abn._C blocked by the test (extension not built)")
+        return None
+
+sys.meta_path.insert(0, _NoExtension())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import inplace_abn
+import torch
+from reference import rel_err, stock, stock_gn
+
+assert not inplace_abn.HAS_NATIVE
+assert any("pure-PyTorch backend" in str(w.message) for w in caught), [str(w.message) for w in caught]
+g = torch.Generator().manual_seed(0)
+for act, p in [("leaky_relu", 0.1), ("elu", 1.0), ("silu", 0.0), ("identity", 0.0)]:
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(4, 8, 5, 5, generator=g, dtype=torch.float64).contiguous(memory_format=fmt)
+        dy = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        for layer in (inplace_abn.InPlaceABN(8, activation=act, activation_param=p).double(),
+                      inplace_abn.InPlaceAGN(4, 8, activation=act, activation_param=p).double()):
+            with torch.no_grad():
+                layer.weight.copy_(torch.rand(8, generator=g) + 0.5)
+                layer.bias.copy_(torch.randn(8, generator=g))
+            xin = x.clone().requires_grad_()
+            y = layer(xin.clone())
+            y.backward(dy)
+            ref_x = x.clone().requires_grad_()
+            w = layer.weight.detach().clone().requires_grad_()
+            b = layer.bias.detach().clone().requires_grad_()
+            if isinstance(layer, inplace_abn.InPlaceABN):
+                ref = stock(ref_x, w, b, None, None, activation=act, activation_param=p,
+                            weight_mode=layer.weight_mode)
+            else:
+                ref = stock_gn(ref_x, 4, w, b, activation=act, activation_param=p, weight_mode=layer.weight_mode)
+            ref.backward(dy)
+            name = f"{type(layer).__name__} {act} {fmt}"
+            assert rel_err(y, ref) < 1e-10, name
+            for got, want in ((xin.grad, ref_x.grad), (layer.weight.grad, w.grad), (layer.bias.grad, b.grad)):
+                assert rel_err(got, want) < 1e-8, (name, rel_err(got, want))
+print("ok")
+'''
+
+
+def test_imports_and_trains_without_the_native_extension():
+    """On a machine where the extension was never built, `import inplace_abn` warns and the
+    pure backend runs both layers, forward and backward, against stock float64 (a fresh
+    process in which inplace_abn._C cannot be imported)."""
+    import subprocess
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, tests, os.environ.get("PYTHONPATH", "")]))
+    env.pop("INPLACE_ABN_BACKEND", None)
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_EXTENSION], capture_output=True, text=True, env=env,
+                       cwd=tests, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
