@@ -22,7 +22,7 @@ except ImportError as e:  # extension not built: pure backend
     _native_error = e
 
 HAS_NATIVE = _native_error is None
-OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad")  # CPU and CUDA
+OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad", "bn_backward")  # CPU, CUDA
 # the SiLU z path (docs/DESIGN.md section 7.2) and the one-pass GroupNorm backward (section 10)
 CPU_OP_NAMES = ("backward_input_from_z_", "gn_backward")
 
@@ -172,6 +172,17 @@ def _register_fakes():
         dr = torch.empty_like(y) if residual_grad else y.new_empty(0)
         C = y.shape[1]
         return torch.empty_like(y), dr, y.new_empty(C, dtype=acc(y)), y.new_empty(C, dtype=acc(y))
+
+    @torch.library.register_fake("inplace_abn::bn_backward")
+    def _(y, dy, mask, var, weight, bias, residual, eps, activation, activation_param, signed_weight, training,
+          output_mask, relu=False):
+        need_x, need_w, need_b, need_r = output_mask
+
+        def none():  # (a new one each: the outputs alias nothing)
+            return y.new_empty(0)
+
+        return (torch.empty_like(y) if need_x else none(), weight.new_empty(weight.shape) if need_w else none(),
+                bias.new_empty(bias.shape) if need_b else none(), torch.empty_like(y) if need_r else none())
 
     @torch.library.register_fake("inplace_abn::weight_grad")
     def _(sum_gz_xhat, weight, signed_weight):

@@ -42,8 +42,8 @@ def _counted(layer, x, dy):
 def test_training_call_counts(activation, param, fmt):
     """Training: forward = batch_stats (with the running-statistics update) + forward_, the
     layer counting the batch in num_batches_tracked without an operator call (a new
-    version of the buffer, as add_ would make); backward = backward_reduce +
-    backward_input + weight_grad."""
+    version of the buffer, as add_ would make); backward = bn_backward (both passes and
+    dweight in one call, as stock's native_batch_norm_backward)."""
     layer = InPlaceABN(16, activation=activation, activation_param=param)
     x = torch.randn(4, 16, 8, 8).contiguous(memory_format=fmt)
     version = layer.num_batches_tracked._version
@@ -54,15 +54,9 @@ def test_training_call_counts(activation, param, fmt):
     out = InPlaceABN(16, activation=activation, activation_param=param, preserve_input=True)
     pfwd, pbwd, _, _ = _counted(out, x, torch.randn_like(x))
     assert pfwd == ["inplace_abn.batch_stats.default", "aten.empty_like.default", "inplace_abn.forward_.default"], pfwd
-    if activation == "silu":
-        # the z path (docs/DESIGN.md section 7.2): z is allocated as dx's buffer one pass early
-        # (an allocation, no kernel), and the second pass skips the inversion
-        assert bwd == ["aten.empty_like.default", "inplace_abn.backward_reduce.default",
-                       "inplace_abn.backward_input_from_z_.default", "inplace_abn.weight_grad.default"], bwd
-        bwd = bwd[1:]
-    else:
-        assert bwd == ["inplace_abn.backward_reduce.default", "inplace_abn.backward_input.default",
-                       "inplace_abn.weight_grad.default"], bwd
+    # one operator: the reduce pass, the input pass (for SiLU from the reduce pass's z,
+    # docs/DESIGN.md section 7.2) and weight_grad's sign(w), in src/ops/bn_backward.cpp
+    assert bwd == ["inplace_abn.bn_backward.default"], bwd
     assert len(fwd) <= 4 and len(bwd) <= 3
     assert fr == [] and br == [], (fr, br)
 
@@ -70,13 +64,12 @@ def test_training_call_counts(activation, param, fmt):
 @native_only
 def test_eval_call_counts():
     """Eval with trainable parameters: forward = a copy of running_var (saved for backward) +
-    forward_; backward = backward_reduce + backward_input + weight_grad. Under no_grad: forward_ only."""
+    forward_; backward = bn_backward. Under no_grad: forward_ only."""
     layer = InPlaceABN(16).eval()
     x = torch.randn(4, 16, 8, 8)
     fwd, bwd, fr, br = _counted(layer, x, torch.randn_like(x))
     assert fwd == ["aten.clone.default", "inplace_abn.forward_.default"], fwd
-    assert bwd == ["inplace_abn.backward_reduce.default", "inplace_abn.backward_input.default",
-                   "inplace_abn.weight_grad.default"], bwd
+    assert bwd == ["inplace_abn.bn_backward.default"], bwd
     assert fr == [] and br == []
     xc = x.clone()
     with torch.no_grad(), HostReads() as f:
@@ -95,9 +88,8 @@ def test_relu_call_counts():
         fwd, bwd, _, _ = _counted(layer, x, torch.randn_like(x))
     assert fwd == ["inplace_abn.batch_stats.default", "aten.empty_like.default", "inplace_abn.forward_.default"], fwd
     assert layer.num_batches_tracked.item() == 1
-    # ReLU's derivative is applied by the two backward operators as they read dy (relu=True)
-    assert bwd == ["inplace_abn.backward_reduce.default", "inplace_abn.backward_input.default",
-                   "inplace_abn.weight_grad.default"], bwd
+    # ReLU's derivative is applied by both passes of bn_backward as they read dy (relu=True)
+    assert bwd == ["inplace_abn.bn_backward.default"], bwd
 
 
 @native_only
@@ -137,7 +129,8 @@ def _stock_eval_grads(x, layer, dy):
 @pytest.mark.parametrize("backend", ["native", "python"])
 def test_frozen_eval_skips_backward_reduce(backend, monkeypatch):
     """Eval mode, weight and bias frozen: only dx is needed, and it does not depend on the
-    sums, so backward_reduce is not called (both backends); dx matches stock float64."""
+    sums, so the reduce pass does not run (native: bn_backward's profiler ranges; python:
+    backward_reduce is not called); dx matches stock float64."""
     if backend == "native" and not inplace_abn.HAS_NATIVE:
         pytest.skip("native extension not built")
     g = torch.Generator().manual_seed(0)
@@ -155,17 +148,25 @@ def test_frozen_eval_skips_backward_reduce(backend, monkeypatch):
     calls = []
     original = _pure.backward_reduce
     monkeypatch.setattr(_pure, "backward_reduce", lambda *a: calls.append(a) or original(*a))
+
+    def passes(fn):
+        """The passes of bn_backward (profiler ranges in src/ops/bn_backward.cpp) that fn ran."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return sorted(e.name for e in prof.events() if e.name.startswith("inplace_abn::bn_backward ("))
+
+    xin = x.clone().requires_grad_()
     with inplace_abn.use_backend(backend):
-        xin = x.clone().requires_grad_()
-        with HostReads() as b:
-            y = layer(xin.clone())
-            y.backward(dy)
+        ran = passes(lambda: layer(xin.clone()).backward(dy))
     assert calls == []
-    assert "inplace_abn.backward_reduce.default" not in b.ops, b.ops
+    if backend == "native":
+        assert ran == ["inplace_abn::bn_backward (input pass)"], ran
     assert rel_err(xin.grad, _stock_eval_grads(x, layer, dy)) < 1e-12
     # with a trainable bias the sums are needed again
     layer.bias.requires_grad_(True)
-    with inplace_abn.use_backend(backend), HostReads() as b:
-        y = layer(x.clone().requires_grad_().clone())
-        y.backward(dy)
-    assert ("inplace_abn.backward_reduce.default" in b.ops) or len(calls) == 1
+    with inplace_abn.use_backend(backend):
+        ran = passes(lambda: layer(x.clone().requires_grad_().clone()).backward(dy))
+    if backend == "native":
+        assert ran == ["inplace_abn::bn_backward (input pass)", "inplace_abn::bn_backward (reduce pass)"], ran
+    else:
+        assert len(calls) == 1

@@ -49,6 +49,113 @@ def test_opcheck_all_operators(act, fmt, training, residual):
                           (y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual))
 
 
+def _separate_backward(y, dy, mask, var, w, b, r, act, p, signed, training, need, relu=False):
+    """bn_backward's four outputs from the operators it fuses, called as the layer's
+    backward called them before it (the z path for SiLU on the CPU, docs/DESIGN.md 7.2)."""
+    ops = torch.ops.inplace_abn
+    need_x, need_w, need_b, need_r = need
+    reduce = need_w or need_b or (training and (need_x or need_r))
+    keep_z = reduce and need_x and act == _activation.SILU and y.dtype in (torch.float32, torch.float64)
+    z = torch.empty_like(y) if keep_z else None
+    s_g = s_gx = None
+    if reduce:
+        s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, signed, z, 0, relu)
+    n = y.numel() // y.shape[1]
+    scale = 1.0 / n if training else 0.0
+    g1, g2 = (s_g, s_gx) if training else (var, var)
+    dx = dr = None
+    if need_x or need_r:
+        if keep_z:
+            dx, dr = z, ops.backward_input_from_z_(z, dy, var, w, b, r, g1, g2, 1e-5, act, p, signed, need_r, scale)
+        else:
+            dx, dr = ops.backward_input(y, dy, mask, var, w, b, r, g1, g2, 1e-5, act, p, signed, need_r, scale, 0,
+                                        relu)
+    dw = (s_gx.to(w.dtype) if signed else ops.weight_grad(s_gx, w, False)) if need_w else None
+    db = s_g.to(b.dtype) if need_b else None
+    return [t if k else None for t, k in zip((dx, dw, db, dr), need)]
+
+
+NEEDS = [(True, True, True, True), (True, False, False, False), (False, True, True, False),
+         (False, False, False, True), (True, True, False, False)]
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("need", NEEDS, ids=["all", "dx", "params", "dres", "dx_dw"])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("act", ACTS)
+def test_bn_backward_is_the_separate_operators(act, fmt, training, need, signed):
+    """bn_backward (the local layer's backward in one call) gives bitwise what the
+    separate operators give, for each set of wanted outputs (the others: empty
+    tensors), and passes opcheck."""
+    ops = torch.ops.inplace_abn
+    x, mean, var, w, b, r, p = _args(act, fmt, True, training=training)
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, signed)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).contiguous(memory_format=fmt)
+    args = (y, dy, mask, var, w, b, r, 1e-5, act, p, signed, training, list(need))
+    got = ops.bn_backward(*args)
+    want = _separate_backward(y, dy, mask, var, w, b, r, act, p, signed, training, need)
+    for name, g, wt in zip(("dx", "dweight", "dbias", "dresidual"), got, want):
+        if wt is None:
+            assert g.numel() == 0, name
+        else:
+            assert g.dtype == wt.dtype and g.stride() == wt.stride() and torch.equal(g, wt), name
+    torch.library.opcheck(ops.bn_backward.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_bn_backward_relu_and_dtypes(dtype):
+    """The ReLU flag (y holds z in the accumulation dtype, derivative applied as dy is
+    read) and the reduced-precision and float64 inputs: bitwise the separate operators."""
+    ops = torch.ops.inplace_abn
+    x, mean, var, w, b, r, p = _args(_activation.IDENTITY, torch.contiguous_format, True, dtype=dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    z = torch.empty_like(x, dtype=acc)
+    mask = ops.forward_(x.clone(), mean, var, w, b, r, 1e-5, 0, 0.0, False, z)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    need = (True, True, True, True)
+    got = ops.bn_backward(z, dy, mask, var, w, b, r, 1e-5, 0, 0.0, False, True, list(need), True)
+    want = _separate_backward(z, dy, mask, var, w, b, r, 0, 0.0, False, True, need, relu=True)
+    for g, wt in zip(got, want):
+        assert g.dtype == wt.dtype and torch.equal(g, wt)
+    # and plain (non-ReLU) reduced-precision y, SiLU: no z path there
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, _activation.SILU, 0.0, False)
+    got = ops.bn_backward(y, dy, mask, var, w, b, r, 1e-5, _activation.SILU, 0.0, False, True, list(need))
+    want = _separate_backward(y, dy, mask, var, w, b, r, _activation.SILU, 0.0, False, True, need)
+    for g, wt in zip(got, want):
+        assert g.dtype == wt.dtype and torch.equal(g, wt)
+
+
+def test_bn_backward_refuses_what_it_lacks():
+    """An output asked for without its input, a var of the wrong length, a non-invertible
+    slope: refused with a message that names it, before anything is computed."""
+    ops = torch.ops.inplace_abn
+    x, mean, var, w, b, r, p = _args(_activation.LEAKY_RELU, torch.contiguous_format, False)
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, None, 1e-5, _activation.LEAKY_RELU, 0.1, False)
+    dy = torch.randn_like(y)
+    base = (y, dy, mask, var, w, b, None, 1e-5, _activation.LEAKY_RELU, 0.1, False, True)
+    with pytest.raises(RuntimeError, match="dweight without a weight"):
+        ops.bn_backward(y, dy, mask, var, None, b, None, 1e-5, _activation.LEAKY_RELU, 0.1, False, True,
+                        [True, True, False, False])
+    with pytest.raises(RuntimeError, match="dbias without a bias"):
+        ops.bn_backward(y, dy, mask, var, w, None, None, 1e-5, _activation.LEAKY_RELU, 0.1, False, True,
+                        [True, False, True, False])
+    with pytest.raises(RuntimeError, match="dresidual without a residual"):
+        ops.bn_backward(*base, [False, False, False, True])
+    with pytest.raises(RuntimeError, match=r"var must have shape \(5,\)"):
+        ops.bn_backward(y, dy, mask, var[:4], w, b, None, 1e-5, _activation.LEAKY_RELU, 0.1, False, True,
+                        [True, True, True, False])
+    with pytest.raises(RuntimeError, match="slope > 0"):
+        ops.bn_backward(y, dy, mask, var, w, b, None, 1e-5, _activation.LEAKY_RELU, 0.0, False, True,
+                        [True, True, True, False])
+    with pytest.raises(RuntimeError, match="dy must have the input's shape"):
+        ops.bn_backward(y, dy[:2], mask, var, w, b, None, 1e-5, _activation.LEAKY_RELU, 0.1, False, True,
+                        [True, True, True, False])
+
+
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("act", ACTS)
@@ -132,8 +239,8 @@ def test_z_path_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("dtype,kept", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, False)],
                          ids=str)
 def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
-    """InPlaceABN with SiLU calls backward_input_from_z_ in float32/float64 on the CPU
-    (and the inverting backward_input otherwise) from its C++ autograd. InPlaceAGN's
+    """InPlaceABN with SiLU runs bn_backward's input pass from z in float32/float64 on the
+    CPU (and the inverting input pass otherwise): its profiler ranges say which. InPlaceAGN's
     backward is one operator, gn_backward, which keeps z in its two-pass path the same way
     (src/ops/gn_backward.cpp: silu_keeps_z)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -153,13 +260,16 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
                        (inplace_abn.InPlaceAGN(4, 8, activation="silu"), torch.channels_last)]:
         layer = layer.to(dtype)
         x0 = x0.detach().contiguous(memory_format=fmt).requires_grad_()
-        with Calls() as calls:
+        with Calls() as calls, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             layer(x0 * 1).sum().backward()
         if isinstance(layer, inplace_abn.InPlaceAGN):
             assert "inplace_abn::gn_backward" in calls.names and "inplace_abn::backward_reduce" not in calls.names
             continue
-        assert ("inplace_abn::backward_input_from_z_" in calls.names) == kept, calls.names
-        assert ("inplace_abn::backward_input" in calls.names) == (not kept), calls.names
+        assert "inplace_abn::bn_backward" in calls.names, calls.names
+        ranges = {e.name for e in prof.events() if e.name.startswith("inplace_abn::bn_backward (")}
+        assert ranges == {"inplace_abn::bn_backward (reduce pass)",
+                          "inplace_abn::bn_backward (input pass from z)" if kept
+                          else "inplace_abn::bn_backward (input pass)"}, ranges
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])

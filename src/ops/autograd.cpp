@@ -2,7 +2,7 @@
 // autograd in C++. The steps are those of _InPlaceABNFunction in
 // inplace_abn/functions.py, which stays the path for torch.compile, the
 // synchronised layer and the pure backend; eager calls on the native backend
-// come here and save the Python autograd.Function and five Python-level op
+// come here and save the Python autograd.Function and its Python-level op
 // calls: about 25 us of host time per training step (docs/DESIGN.md section 7.3).
 // The argument checks stay in Python (they raise before anything is written).
 // inplace_agn_ does the same for the GroupNorm layer (section 10); inplace_abn and
@@ -35,6 +35,7 @@ struct Ops {
       handle<backward_input_from_z_>("inplace_abn::backward_input_from_z_");
   decltype(handle<weight_grad>("")) wgrad = handle<weight_grad>("inplace_abn::weight_grad");
   decltype(handle<gn_backward>("")) gn = handle<gn_backward>("inplace_abn::gn_backward");
+  decltype(handle<bn_backward>("")) bn = handle<bn_backward>("inplace_abn::bn_backward");
 };
 const Ops& ops() {
   static const Ops o;
@@ -143,11 +144,9 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     }
     below.reset();  // (add_ on other devices bumps the counter's version in ADInplaceOrView)
     if (num_batches_tracked.has_value()) count_batch(*num_batches_tracked);
-    const int64_t C = x.size(1);
     const Edges e(weight, bias, running_mean, running_var, residual);
     save(ctx, out_of_place ? at::Tensor() : x, saved, var, weight, bias, residual, mask,
-         {act, C ? x.numel() / C : 0, static_cast<int64_t>(x.scalar_type()), e.weight, e.bias, e.residual, training,
-          signed_weight, relu},
+         {act, static_cast<int64_t>(x.scalar_type()), e.weight, e.bias, e.residual, training, signed_weight, relu},
          eps, param);
     return y;
   }
@@ -156,51 +155,25 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     const Saved sv(ctx, "inplace_abn", "ABN layer (BatchNorm + activation)");
     const BelowAutograd below;
     const at::Tensor &y = sv.y, &var = sv.var, &weight = sv.weight, &bias = sv.bias;
-    const int64_t act = sv.i[0], count = sv.i[1];
-    const auto dtype = static_cast<at::ScalarType>(sv.i[2]);
+    const int64_t act = sv.i[0];
+    const auto dtype = static_cast<at::ScalarType>(sv.i[1]);
     const double eps = sv.eps, p = sv.p;
-    const bool training = sv.i[6], signed_weight = sv.i[7], relu = sv.i[8];
+    const bool training = sv.i[5], signed_weight = sv.i[6], relu = sv.i[7];
     auto needs = [&](int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); };
-    const bool need_x = ctx->needs_input_grad(0), need_w = needs(sv.i[3]), need_b = needs(sv.i[4]),
-               need_r = needs(sv.i[5]);
+    const bool need_x = ctx->needs_input_grad(0), need_w = needs(sv.i[2]), need_b = needs(sv.i[3]),
+               need_r = needs(sv.i[4]);
     const OptTensor w = opt(weight), b = opt(bias), r = opt(sv.residual);
     const at::Tensor& mask = sv.mask;
 
-    // y's layout (and, for ReLU, z's dtype), once for both passes. ReLU: the CPU
-    // operators apply its derivative as they read dy (no threshold pass); elsewhere
-    // dy is thresholded once here (the operators' relu would do it in each of them)
-    const bool kernel_relu = relu && y.is_cpu();
-    at::Tensor dy = like(grads[0], y);
-    if (relu && !kernel_relu) dy = at::threshold_backward(dy, y, 0);
-    // The sums feed dweight, dbias and, in training, dx; in eval mode with frozen
-    // parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
-    const bool reduce = need_w || need_b || (training && (need_x || need_r));
-    // SiLU on the CPU: the reduce pass keeps z, the input pass starts from it (section 7.2)
-    const bool keep_z = reduce && need_x && silu_keeps_z(y, act);
-    const at::Tensor z = keep_z ? at::empty_like(y) : at::Tensor();
-    at::Tensor sum_gz, sum_gzx, dx, dr;
-    if (reduce)
-      std::tie(sum_gz, sum_gzx) =
-          ops().reduce.call(y, dy, mask, w, b, r, eps, act, p, signed_weight, opt(z), 0, kernel_relu);
-    if (need_x || need_r) {
-      // training: the kernel scales the raw sums by 1/n; eval: the statistics are
-      // constants, scale 0 drops these (any (C,) tensor)
-      const at::Tensor& g1 = training ? sum_gz : var;
-      const at::Tensor& g2 = training ? sum_gzx : var;
-      const double scale = training && count ? 1.0 / static_cast<double>(count) : 0.0;
-      if (keep_z) {
-        dx = z;
-        dr = ops().input_z.call(z, dy, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r, scale, 0);
-      } else {
-        std::tie(dx, dr) = ops().input.call(y, dy, mask, var, w, b, r, g1, g2, eps, act, p, signed_weight, need_r,
-                                            scale, 0, kernel_relu);
-      }
-      dx = need_x ? cast(dx, dtype) : at::Tensor();
-      dr = need_r ? cast(dr, dtype) : at::Tensor();
-    }
-    at::Tensor dw, db;
-    if (need_w) dw = signed_weight ? cast(sum_gzx, weight.scalar_type()) : ops().wgrad.call(sum_gzx, weight, false);
-    if (need_b) db = cast(sum_gz, bias.scalar_type());
+    // One operator call (src/ops/bn_backward.cpp): the reduce pass where its sums are
+    // needed (in eval mode with frozen parameters they are not), the input pass, and
+    // the parameters' gradients. ReLU: the CPU kernels apply its derivative as they read dy.
+    auto [dx, dw, db, dr] = ops().bn.call(y, grads[0], mask, var, w, b, r, eps, act, p, signed_weight, training,
+                                          {need_x, need_w, need_b, need_r}, relu);
+    dx = need_x ? cast(dx, dtype) : at::Tensor();
+    dr = need_r ? cast(dr, dtype) : at::Tensor();
+    if (!need_w) dw = at::Tensor();
+    if (!need_b) db = at::Tensor();
     // one entry per forward argument
     return {dx, dw, db, at::Tensor(), at::Tensor(), dr, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -340,6 +313,7 @@ TORCH_LIBRARY_IMPL(inplace_abn, Autograd, m) {
   IABN_NO_GRAD(backward_input_from_z_, input_z);
   IABN_NO_GRAD(weight_grad, wgrad);
   IABN_NO_GRAD(gn_backward, gn);
+  IABN_NO_GRAD(bn_backward, bn);
 }
 
 }  // namespace inplace_abn

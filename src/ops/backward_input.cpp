@@ -2,20 +2,16 @@
 // and gz (the residual's gradient) when asked; backward_input_from_z_: the same
 // from z = f^-1(y) stored by backward_reduce, dx written over z. Kernels:
 // src/cpu/backward_input_kernel.cpp, src/cuda/backward_input_kernel.cu.
-#include "ops/common.h"
+#include "ops/backward_passes.h"
 #include "ops/ops.h"
 
 namespace inplace_abn {
 
 KernelStub backward_input_stub;
 
-namespace {
-
-// The inputs of the table, checked: var, weight, bias, mean_gz_xhat, mean_gz;
-// k = sums_scale = 0 (eval: the statistics are constants) drops the sums, whatever they hold.
 std::array<ChannelInput, 5> input_args(const at::Tensor& y, const Groups& grp, const at::Tensor& var,
-                                       const OptTensor& weight, const OptTensor& bias, const at::Tensor& mean_gz,
-                                       const at::Tensor& mean_gz_xhat, double sums_scale) {
+                                       const OptTensor& weight, const OptTensor& bias, const OptTensor& mean_gz,
+                                       const OptTensor& mean_gz_xhat, double sums_scale) {
   std::array<ChannelInput, 5> in{grp.stat(var, 0.0, y, "var"), grp.param(weight, 1.0, y, "weight"),
                                  grp.param(bias, 0.0, y, "bias"), grp.stat(mean_gz_xhat, 0.0, y, "mean_gz_xhat"),
                                  grp.stat(mean_gz, 0.0, y, "mean_gz")};
@@ -25,19 +21,25 @@ std::array<ChannelInput, 5> input_args(const at::Tensor& y, const Groups& grp, c
 
 // a = g~ r, b = -r k mean_gz_xhat, c0 = -g~ r k mean_gz (rows of kernel.h's InputRow), k = sums_scale.
 // GroupNorm passes the (N, G) means of g~ gz and g~ gz xhat: BatchNorm's means times g~_c.
-at::Tensor input_coefs(const at::Tensor& yv, const std::array<ChannelInput, 5>& in, bool grouped, bool has_weight,
-                       double eps, bool signed_weight, double sums_scale, int64_t cols) {
-  return coef_table<5>(yv, in, [&](const auto& v) {
-    const auto r = inv_std(v[0], eps), g = gain(v[1], has_weight, eps, signed_weight), a_gz = g * r;
-    if (grouped) {
-      const auto [a, b, c0] = gn_input_row(g, r, v[3] * sums_scale, v[4] * sums_scale);
+void input_pass(const Groups& grp, const at::Tensor& x, const at::Tensor& gy, bool kernel_relu, bool from_z,
+                const at::Tensor& mask, const std::array<ChannelInput, 5>& in, bool has_weight, const at::Tensor& res,
+                double eps, Act act, double param, bool signed_weight, double sums_scale, const at::Tensor& dx,
+                const at::Tensor& dres, const Geometry& g, const char* name) {
+  const at::Tensor xv = grp.view(x);
+  const at::Tensor coef = coef_table<5>(xv, in, [&](const auto& v) {
+    const auto r = inv_std(v[0], eps), gn = gain(v[1], has_weight, eps, signed_weight), a_gz = gn * r;
+    if (grp.G) {
+      const auto [a, b, c0] = gn_input_row(gn, r, v[3] * sums_scale, v[4] * sums_scale);
       return std::array{v[2], a, b, c0};
     }
     return std::array{v[2], a_gz, -r * (v[3] * sums_scale), -a_gz * (v[4] * sums_scale)};
-  }, cols);
+  }, grp.columns(x));
+  grp.run(backward_input_stub,
+          {.x = xv, .dy = grp.view(gy), .residual = grp.view(res), .mask = from_z ? at::Tensor() : mask,
+           .coef = coef, .out1 = from_z ? xv : grp.view(dx), .out2 = grp.view(dres), .from_z = from_z,
+           .relu = kernel_relu, .g = grp.G ? geometry_of(xv, name) : g, .act = act, .param = param},
+          false);
 }
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask,
                                                   const at::Tensor& var, const OptTensor& weight,
@@ -57,14 +59,8 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
   if (y.numel() == 0) return {dx, dres};
   c10::OptionalDeviceGuard guard(y.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
-  const at::Tensor yv = grp.view(y);
-  const at::Tensor coef =
-      input_coefs(yv, in, grp.G, weight.has_value(), eps, signed_weight, sums_scale, grp.columns(y));
-  grp.run(backward_input_stub,
-          {.x = yv, .dy = grp.view(like(gy, y)), .residual = grp.view(like(residual, y)), .mask = mask, .coef = coef,
-           .out1 = grp.view(dx), .out2 = grp.view(residual_grad ? dres : at::Tensor()), .relu = kernel_relu,
-           .g = grp.G ? geometry_of(yv, "y") : g, .act = act, .param = activation_param},
-          false);
+  input_pass(grp, y, like(gy, y), kernel_relu, false, mask, in, weight.has_value(), like(residual, y), eps, act,
+             activation_param, signed_weight, sums_scale, dx, residual_grad ? dres : at::Tensor(), g, "y");
   return {dx, dres};
 }
 
@@ -84,14 +80,8 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, con
   at::Tensor dres = residual_grad ? new_like(z) : new_empty({0}, z.options());
   if (z.numel() == 0) return dres;
   const TableGuard table_guard;
-  const at::Tensor zv = grp.view(z);
-  const at::Tensor coef =
-      input_coefs(zv, in, grp.G, weight.has_value(), eps, signed_weight, sums_scale, grp.columns(z));
-  grp.run(backward_input_stub,
-          {.x = zv, .dy = grp.view(like(dy, z)), .residual = grp.view(like(residual, z)), .coef = coef, .out1 = zv,
-           .out2 = grp.view(residual_grad ? dres : at::Tensor()), .from_z = true,
-           .g = grp.G ? geometry_of(zv, "z") : g, .act = act, .param = activation_param},
-          false);
+  input_pass(grp, z, like(dy, z), false, true, at::Tensor(), in, weight.has_value(), like(residual, z), eps, act,
+             activation_param, signed_weight, sums_scale, z, residual_grad ? dres : at::Tensor(), g, "z");
   return dres;
 }
 

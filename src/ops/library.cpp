@@ -56,9 +56,19 @@ TORCH_LIBRARY(inplace_abn, m) {
   // dweight = sum_gz_xhat dg~/dweight in weight's dtype: sign(weight) (0 at 0)
   // in abs mode, 1 in signed mode (docs/DESIGN.md section 2).
   m.def("weight_grad(Tensor sum_gz_xhat, Tensor weight, bool signed_weight) -> Tensor");
+  // The whole backward of the local BatchNorm layer (the backward of inplace_abn(_)),
+  // one call as native_batch_norm_backward: backward_reduce's sums where dweight,
+  // dbias or (training) dx / dresidual need them, backward_input with the sums
+  // scaled by 1/n (training) or dropped (eval: the statistics are constants), and
+  // weight_grad. output_mask: (dx, dweight, dbias, dresidual); an output left out
+  // is an empty tensor. dx is in y's dtype (relu: z's).
+  m.def(
+      "bn_backward(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
+      "float eps, int activation, float activation_param, bool signed_weight, bool training, bool[4] output_mask, "
+      "bool relu=False) -> (Tensor dx, Tensor dweight, Tensor dbias, Tensor dresidual)");
   // The whole local layer with its autograd in C++ (src/ops/autograd.cpp): batch
   // statistics and running-statistics update (training), forward_ into x; the
-  // backward runs backward_reduce, backward_input and weight_grad. relu: the
+  // backward is one bn_backward call. relu: the
   // non-invertible ReLU (activation 0), whose z is kept for backward. Given
   // num_batches_tracked, adds 1 to it once the layer has run (the module's count).
   m.def(

@@ -1,9 +1,10 @@
-// The device-agnostic front ends of the five operators (schemas: src/ops/library.cpp),
+// The device-agnostic front ends of the operators (schemas: src/ops/library.cpp),
 // registered for CPU by src/ops/library.cpp and for CUDA by src/cuda/register.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
 #include <tuple>
 
@@ -44,6 +45,14 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, con
                                   double activation_param, bool signed_weight, bool residual_grad,
                                   double sums_scale, int64_t groups);
 
+// The local BatchNorm layer's whole backward: dx, dweight, dbias, dresidual (those
+// output_mask leaves out: empty tensors).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
+    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, double eps, int64_t activation, double activation_param,
+    bool signed_weight, bool training, std::array<bool, 4> output_mask, bool relu);
+
 // The GroupNorm backward (groups > 0): dx, dresidual and the (C,) sums over the batch.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
     const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var,
@@ -58,6 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
   m.impl("backward_reduce", &::inplace_abn::backward_reduce); \
   m.impl("backward_input", &::inplace_abn::backward_input);   \
   m.impl("weight_grad", &::inplace_abn::weight_grad);         \
+  m.impl("bn_backward", &::inplace_abn::bn_backward);         \
   m.impl("gn_backward", &::inplace_abn::gn_backward)
 
 // CPU only (docs/DESIGN.md section 7.2)

@@ -1,0 +1,80 @@
+// inplace_abn::bn_backward: the whole backward of the local BatchNorm layer in one
+// operator call, as stock's native_batch_norm_backward: the reduce pass (when its
+// sums are needed), the input pass (from the reduce pass's z for SiLU on the CPU,
+// docs/DESIGN.md section 7.2) and the parameters' gradients, behind one front end:
+// one set of checks, guards and dy conversion, and no dispatcher round trip
+// between the passes. The local layer's C++ autograd calls it (src/ops/autograd.cpp);
+// the synchronised layer calls backward_reduce and backward_input, as its
+// all-reduce sits between them.
+#include <ATen/record_function.h>
+
+#include "ops/backward_passes.h"
+#include "ops/ops.h"
+
+namespace inplace_abn {
+
+namespace {
+// t in dtype; t itself when it already is
+at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
+    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation, double activation_param,
+    bool signed_weight, bool training, std::array<bool, 4> output_mask, bool relu) {
+  const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
+  check_channel_vector(var, y, "var");
+  const auto [need_x, need_w, need_b, need_r] = output_mask;
+  TORCH_CHECK(!need_w || weight.has_value(), "inplace_abn: bn_backward asked for dweight without a weight");
+  TORCH_CHECK(!need_b || bias.has_value(), "inplace_abn: bn_backward asked for dbias without a bias");
+  TORCH_CHECK(!need_r || residual.has_value(), "inplace_abn: bn_backward asked for dresidual without a residual");
+  const auto [gy, kernel_relu] = relu_dy(dy, y, act, relu);
+  const Groups grp(y, 0);
+  const Geometry g = y.numel() > 0 ? geometry_of(y, "y") : Geometry{};  // the layout check before allocating
+  const int64_t C = y.size(1), count = C ? y.numel() / C : 0;
+  // The sums feed dweight, dbias and, in training, dx and dresidual; in eval mode
+  // with frozen parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
+  const bool reduce = need_w || need_b || (training && (need_x || need_r));
+  const bool input = need_x || need_r;
+  // SiLU on the CPU: the reduce pass keeps z, the input pass starts from it and writes dx over it
+  const bool keep_z = reduce && need_x && silu_keeps_z(y, activation);
+  // training: the kernel scales the raw sums by 1/n; eval: the statistics are constants
+  const double scale = training && count ? 1.0 / static_cast<double>(count) : 0.0;
+
+  c10::OptionalDeviceGuard guard(y.device());
+  const auto acc = y.options().dtype(acc_type_of(y.scalar_type()));
+  const auto none = [&] { return new_empty({0}, y.options()); };
+  // the outputs (and the sums, which become dbias and, in signed mode, dweight) first:
+  // they must stay normal tensors, not the TableGuard's
+  at::Tensor sum_gz, sum_gzx;
+  if (reduce) {
+    sum_gz = y.numel() ? new_empty({C}, acc) : at::zeros({C}, acc);
+    sum_gzx = y.numel() ? new_empty({C}, acc) : at::zeros({C}, acc);
+  }
+  const at::Tensor dx = input ? new_like(y) : at::Tensor();  // (keep_z: z, then dx over it)
+  const at::Tensor dres = need_r ? new_like(y) : at::Tensor();
+  if (y.numel()) {
+    const TableGuard table_guard;
+    const at::Tensor gyl = like(gy, y), res = like(residual, y);
+    // (profiler ranges: a profile shows the passes; tests/test_launches.py counts them)
+    if (reduce) {
+      RECORD_FUNCTION("inplace_abn::bn_backward (reduce pass)", std::vector<c10::IValue>());
+      reduce_pass(grp, y, gyl, kernel_relu, mask, weight, bias, res, eps, act, activation_param, signed_weight,
+                  keep_z ? dx : at::Tensor(), sum_gz, sum_gzx);
+    }
+    if (input) {
+      RECORD_FUNCTION(keep_z ? "inplace_abn::bn_backward (input pass from z)" : "inplace_abn::bn_backward (input pass)",
+                      std::vector<c10::IValue>());
+      const auto in = input_args(y, grp, var, weight, bias, reduce ? OptTensor(sum_gz) : std::nullopt,
+                                 reduce ? OptTensor(sum_gzx) : std::nullopt, scale);
+      input_pass(grp, keep_z ? dx : y, gyl, kernel_relu, keep_z, mask, in, weight.has_value(), res, eps, act,
+                 activation_param, signed_weight, scale, dx, dres, g, keep_z ? "z" : "y");
+    }
+  }
+  at::Tensor dw, db;
+  if (need_w) dw = signed_weight ? cast(sum_gzx, weight->scalar_type()) : weight_grad(sum_gzx, *weight, false);
+  if (need_b) db = cast(sum_gz, bias->scalar_type());
+  return {need_x ? dx : none(), need_w ? dw : none(), need_b ? db : none(), need_r ? dres : none()};
+}
+
+}  // namespace inplace_abn
