@@ -223,11 +223,9 @@ NATIVE = {name: globals()["native_" + name] for name in OP_NAMES}
 
 
 def _register():
-    # where the BatchNorm kernels exist (src/ built; without the extension forward_ is not
-    # even declared, and these operators run their pure kernels everywhere)
-    built = _declared("forward_")
-    native_keys = [key for key in ("CPU", "CUDA")
-                   if built and torch._C._dispatch_has_kernel_for_dispatch_key("inplace_abn::forward_", key)]
+    # where the BatchNorm kernels exist (without the extension, nowhere: these operators
+    # then run their pure kernels everywhere)
+    native_keys = [key for key, device in (("CPU", "cpu"), ("CUDA", "cuda")) if _backend._has_device_kernel(device)]
     for name in OP_NAMES:
         if not _declared(name):
             _lib.define(SCHEMAS[name])

@@ -51,10 +51,6 @@ OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nu
 // see them (2x32x7x7 identity, one training step: ~3k of ~460k instructions).
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
 
-// t in dtype; no operator call when it already is (a same-dtype to() is still a
-// dispatcher call, ~0.3 us: four per backward of a small layer)
-at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
-
 // Index of the autograd edge of each tensor argument (undefined optionals have none).
 struct Edges {
   int64_t x = 0, weight = -1, bias = -1, residual = -1;

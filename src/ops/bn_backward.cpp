@@ -13,11 +13,6 @@
 
 namespace inplace_abn {
 
-namespace {
-// t in dtype; t itself when it already is
-at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
     const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
     const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation, double activation_param,
