@@ -9,17 +9,25 @@ column is what shows whether the kernels really run in parallel. For SiLU,
 the last two columns time the path the layer takes on the CPU
 (docs/DESIGN.md section 7.2): backward_reduce keeping z, and
 backward_input_from_z_ (timed on a fresh copy of z, minus the copy).
+Freed memory is kept in the process, as in bench_cpu.py: backward_input and
+clone allocate a tensor of the input's size per call, which with glibc's
+defaults may pay a page fault per 4 KiB on first touch in some calls and not
+in others.
 
     python benchmarks/bench_cpu_ops.py [--repeats 30]
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import inplace_abn  # noqa: F401  (registers torch.ops.inplace_abn)
-from inplace_abn import _activation
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import inplace_abn  # noqa: E402,F401  (registers torch.ops.inplace_abn)
+from bench_cpu import keep_freed_memory  # noqa: E402
+from inplace_abn import _activation  # noqa: E402
 
 SHAPES = [((16, 64, 56, 56), False), ((16, 64, 56, 56), True), ((16, 512, 7, 7), False), ((4096, 512), False)]
 
@@ -77,8 +85,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
+    kept = keep_freed_memory()
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, float32, "
-          f"median of {args.repeats}, milliseconds")
+          f"median of {args.repeats}, milliseconds, allocator: "
+          f"{'freed memory kept (mallopt)' if kept else 'system defaults'}")
     print("| shape | activation | layout | threads | batch_stats | forward_ | backward_reduce | backward_input | "
           "clone | reduce keeping z | input from z |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
