@@ -18,7 +18,7 @@ void backward_input_t(const KernelArgs& a) {
   const S* y = a.x.const_data_ptr<S>();
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
-  const int32_t* mask = A == Act::Silu && !FROMZ ? a.mask.const_data_ptr<int32_t>() : nullptr;
+  const MaskBits mask = mask_bits(a.mask, A == Act::Silu && !FROMZ);
   S* dx = a.out1.data_ptr<S>();
   S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
   const V p(static_cast<F>(a.param));
@@ -32,7 +32,7 @@ void backward_input_t(const KernelArgs& a) {
         z = yv;
         d = Ac::deriv_of_z(z);
       } else {
-        const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, i, cnt)) : V(F(0));
+        const V left = A == Act::Silu ? from_bits<F>(mask(i, cnt)) : V(F(0));
         z = Ac::inverse_deriv(yv, left, p, d);
       }
       V gz = gv * d;

@@ -17,7 +17,7 @@ void backward_reduce_t(const KernelArgs& a) {
   const S* y = a.x.const_data_ptr<S>();
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
-  const int32_t* mask = MASK ? a.mask.const_data_ptr<int32_t>() : nullptr;
+  const MaskBits mask = mask_bits(a.mask, MASK);
   // z for backward_input_from_z_ (SiLU, S = F: the front end checks)
   F* zout = ZOUT ? a.z.data_ptr<F>() : nullptr;
   const V p(static_cast<F>(a.param));
@@ -32,7 +32,7 @@ void backward_reduce_t(const KernelArgs& a) {
           prefetch(dy + i + kPrefetch);
           if constexpr (RES) prefetch(res + i + kPrefetch);
         }
-        const V left = MASK ? from_bits<F>(read_bits(mask, i, cnt)) : V(F(0));
+        const V left = MASK ? from_bits<F>(mask(i, cnt)) : V(F(0));
         V d;
         const V z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d);
         if constexpr (ZOUT) FULL ? z.store(zout + i) : z.store(zout + i, cnt);

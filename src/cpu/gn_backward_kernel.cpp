@@ -19,11 +19,11 @@ struct GzZc {
   using F = typename io::F;
   using V = Vectorized<F>;
   const S *y, *dy, *res;
-  const int32_t* mask;
+  MaskBits mask;
   V p;
   template <bool FULL>
   void operator()(int64_t e, int64_t bit, int cnt, const V& sh, V& gz, V& zc) const {
-    const V left = A == Act::Silu ? from_bits<F>(read_bits(mask, bit, cnt)) : V(F(0));
+    const V left = A == Act::Silu ? from_bits<F>(mask(bit, cnt)) : V(F(0));
     V d;
     const V z = Activation<A, VecMath<F>>::inverse_deriv(io::template ld<FULL>(y + e, cnt), left, p, d);
     gz = io::template ld<FULL>(dy + e, cnt) * d;
@@ -54,7 +54,7 @@ struct GnArgs {
   explicit GnArgs(const KernelArgs& a)
       : N(a.g.N), C(a.g.C), P(a.g.S), cg(C / a.groups), m(cg * P),
         el{a.x.const_data_ptr<S>(), a.dy.const_data_ptr<S>(), RES ? a.residual.const_data_ptr<S>() : nullptr,
-           A == Act::Silu ? a.mask.const_data_ptr<int32_t>() : nullptr,
+           mask_bits(a.mask, A == Act::Silu),
            Vectorized<F>(static_cast<F>(a.param))},
         dx(a.out1.data_ptr<S>()), dres(a.out2.defined() ? a.out2.data_ptr<S>() : nullptr),
         shift(a.coef.const_data_ptr<F>() + kGnShift * N * C), gain(shift + (kGnGain - kGnShift) * N * C),
@@ -188,7 +188,7 @@ void gn_backward_rows(const KernelArgs& a) {
     S *const dx = ga.dx, *const dres = ga.dres;
     for (int64_t n = n0; n < n1; ++n) {
       GzZc<S, A, RES> el = el0;
-      if constexpr (A == Act::Silu) el.mask += n * words;
+      if constexpr (A == Act::Silu) el.mask = MaskBits(a.mask.const_data_ptr<int32_t>() + n * words, words);
       const int64_t base = n * P * C, col0 = n * C;
       const F* const sh = ga.shift + col0;
       std::fill(acc.begin(), acc.end(), F(0));

@@ -594,13 +594,29 @@ struct BitWriter {
   }
 };
 
-// cnt (<= 32) mask bits starting at element e.
-inline uint32_t read_bits(const int32_t* mask, int64_t e, int cnt) {
-  const int64_t w = e >> 5;
-  const int sh = static_cast<int>(e & 31);
-  uint64_t v = static_cast<uint32_t>(mask[w]);
-  if (sh + cnt > 32) v |= static_cast<uint64_t>(static_cast<uint32_t>(mask[w + 1])) << 32;
-  return static_cast<uint32_t>(v >> sh) & static_cast<uint32_t>((uint64_t(1) << cnt) - 1);
+// Reads the packed mask of `words` words: cnt (<= 25) bits from element e, with
+// one unaligned 32-bit load at e's byte (bits 8b.. of a little-endian mask),
+// moved back near the end so as to stay inside the words: as e + cnt <= 32 words,
+// the bits then still lie in the loaded 32. Against two aligned words and a
+// 64-bit shift: SiLU backward_reduce keeping z, AVX2, 1 thread, 42.3M -> 41.4M
+// instructions per call at 16x64x56x56 channels-last, 5.50M -> 5.40M at
+// 16x512x7x7 channels-last (callgrind, the kernel alone).
+struct MaskBits {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the mask is read as little-endian bytes");
+  const unsigned char* p = nullptr;
+  int64_t last = 0;  // the last byte a load may start at
+  MaskBits() = default;
+  MaskBits(const int32_t* w, int64_t words) : p(reinterpret_cast<const unsigned char*>(w)), last(4 * words - 4) {}
+  uint32_t operator()(int64_t e, int cnt) const {
+    const int64_t b = std::min(e >> 3, last);
+    uint32_t v;
+    std::memcpy(&v, p + b, sizeof v);
+    return (v >> (e - 8 * b)) & low_bits(cnt);
+  }
+};
+// The mask of a SiLU kernel (KernelArgs::mask), else none.
+inline MaskBits mask_bits(const at::Tensor& m, bool silu) {
+  return silu ? MaskBits(m.const_data_ptr<int32_t>(), m.numel()) : MaskBits();
 }
 
 
