@@ -23,7 +23,7 @@ measurements alike; --system-malloc keeps glibc's defaults and prints the
 page faults per step.
 
     python benchmarks/bench_cpu.py [--threads 2] [--repeats 20] [--quick] [--system-malloc] [--dtype bfloat16]
-                                   [--shapes 16x64x56x56,...]
+                                   [--shapes 16x64x56x56,...] [--activations silu,...]
 
 --compare OLD_ROOT times "ours" for this checkout's build against another
 build of the package (a checkout whose inplace_abn/ holds its own built _C,
@@ -159,17 +159,22 @@ def bench(shape, activation, channels_last, repeats, dtype=torch.float32, ours_o
     return (t_ours - t_clone, t_stock, t_floor, f_ours, f_stock) + ((times[4] / t_ours,) if preserve else ())
 
 
-def cases(quick, only=None):
+ACTIVATIONS = ("identity", "leaky_relu", "elu", "silu", "relu")
+
+
+def cases(quick, only=None, activations=None):
     """(shape, activation, channels_last); relu (not invertible: the one-pass z path, docs/DESIGN.md
     section 3) at the first shape only. ``only``: the shapes to time instead of the default ones,
-    as "16x64x56x56,8x128x16x16" (any (N, C, ...) shape)."""
+    as "16x64x56x56,8x128x16x16" (any (N, C, ...) shape); ``activations``: these only, as
+    "silu,elu" (relu then at every shape)."""
     if only:
         shapes = [tuple(int(d) for d in s.split("x")) for s in only.split(",")]
     else:
         shapes = ([(4, 16, 14, 14), (2, 32, 7, 7), (256, 64)] if quick else
                   [(16, 64, 56, 56), (16, 512, 7, 7), (4096, 512)])
     for k, shape in enumerate(shapes):
-        for activation in ("identity", "leaky_relu", "elu", "silu") + (("relu",) if k == 0 else ()):
+        acts = activations.split(",") if activations else ACTIVATIONS[:4] + (("relu",) if k == 0 else ())
+        for activation in acts:
             for cl in (False, True):
                 if not cl or len(shape) == 4:
                     yield shape, activation, cl
@@ -185,7 +190,8 @@ def compare(args):
             env = dict(os.environ, PYTHONPATH=roots[name], INPLACE_ABN_BACKEND="native")
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(args.threads),
                    "--repeats", str(args.repeats), "--dtype", args.dtype] + (["--quick"] if args.quick else []) + (
-                ["--shapes", args.shapes] if args.shapes else [])
+                ["--shapes", args.shapes] if args.shapes else []) + (
+                ["--activations", args.activations] if args.activations else [])
             out = subprocess.run(cmd, env=env, cwd=roots[name], check=True, capture_output=True, text=True).stdout
             res = json.loads(out.strip().splitlines()[-1])
             assert res["file"].startswith(roots[name]), res["file"]
@@ -194,7 +200,7 @@ def compare(args):
           f"{args.dtype}, ours (forward + backward) ms: median over {args.rounds} interleaved rounds of {args.repeats} steps")
     print("| shape | activation | layout | new ms | old ms | new/old |")
     print("|---|---|---|---|---|---|")
-    for k, (shape, activation, cl) in enumerate(cases(args.quick, args.shapes)):
+    for k, (shape, activation, cl) in enumerate(cases(args.quick, args.shapes, args.activations)):
         new = statistics.median(t[k] for t in times["new"])
         old = statistics.median(t[k] for t in times["old"])
         layout = "channels_last" if cl else "contiguous"
@@ -220,6 +226,7 @@ def main():
     ap.add_argument("--compare", metavar="OLD_ROOT", help="time ours against the build in this checkout")
     ap.add_argument("--rounds", type=int, default=6, help="with --compare: interleaved rounds per build")
     ap.add_argument("--shapes", help="these shapes instead of the default ones, e.g. 16x64x56x56,8x128x16x16")
+    ap.add_argument("--activations", help="these activations only, e.g. silu,elu (of " + ",".join(ACTIVATIONS) + ")")
     ap.add_argument("--preserve", action="store_true",
                     help="also time the layer with preserve_input=True on an input it must not write, against "
                          "a copy of that input + the in-place layer (the copy included)")
@@ -228,6 +235,9 @@ def main():
     args = ap.parse_args()
     if args.repeats is None:
         args.repeats = 3 if args.quick else 20
+    unknown = set((args.activations or "").split(",")) - set(ACTIVATIONS) - {""}
+    if unknown:
+        ap.error(f"--activations: unknown {', '.join(sorted(unknown))} (choose from {', '.join(ACTIVATIONS)})")
     kept = False if args.system_malloc else keep_freed_memory()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -235,7 +245,7 @@ def main():
         return compare(args)
     if args.worker:
         ours = [bench(shape, act, cl, args.repeats, dtype, ours_only=True)
-                for shape, act, cl in cases(args.quick, args.shapes)]
+                for shape, act, cl in cases(args.quick, args.shapes, args.activations)]
         print(json.dumps({"file": inplace_abn.__file__, "ours": ours}))
         return
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
@@ -245,7 +255,7 @@ def main():
     print("| shape | activation | layout | ours ms | stock ms | 4-clone ms | ours/floor | ours/stock | "
           "faults/step ours, stock |" + extra)
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.preserve else ""))
-    for shape, activation, cl in cases(args.quick, args.shapes):
+    for shape, activation, cl in cases(args.quick, args.shapes, args.activations):
         t_ours, t_stock, t_floor, f_ours, f_stock, *pr = bench(shape, activation, cl, args.repeats, dtype,
                                                                 preserve=args.preserve)
         layout = "channels_last" if cl else "contiguous"
