@@ -168,3 +168,134 @@ def test_cuda_preserve_input_is_the_in_place_layer(activation, fmt):
             results.append([y.detach(), *grads])
         for a, b in zip(*results):
             assert torch.equal(a, b)
+
+
+# ---- operators on CUDA tensors: schema, fake kernels, autograd registration -------
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("act", [0, 1, 2, 3], ids=ACTIVATIONS)
+def test_cuda_opcheck(act, fmt, residual):
+    """torch.library.opcheck of every BatchNorm operator with CUDA tensors (test_opcheck.py
+    does the same on the CPU), the fused bn_backward and the composite layer included."""
+    from test_opcheck import _args
+    ops = torch.ops.inplace_abn
+    x, mean, var, w, b, r, p = (t.cuda() if isinstance(t, torch.Tensor) else t for t in _args(act, fmt, residual))
+    torch.library.opcheck(ops.batch_stats.default, (x,))
+    torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, True))
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, False)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(ops.backward_reduce.default, (y, dy, mask, w, b, r, 1e-5, act, p, False))
+    s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, False)
+    n = x.numel() // x.shape[1]
+    torch.library.opcheck(ops.backward_input.default,
+                          (y, dy, mask, var, w, b, r, s_g / n, s_gx / n, 1e-5, act, p, False, residual))
+    torch.library.opcheck(ops.bn_backward.default,
+                          (y, dy, mask, var, w, b, r, 1e-5, act, p, False, True, [True, True, True, residual]))
+    C = x.shape[1]
+    args = (x.clone(), w.requires_grad_(), b.requires_grad_(), torch.zeros(C, device="cuda"),
+            torch.ones(C, device="cuda"), r, True, 0.1, 1e-5, act, p, False, False,
+            torch.zeros((), dtype=torch.long, device="cuda"))
+    for util in ("test_schema", "test_autograd_registration", "test_faketensor"):
+        torch.library.opcheck(ops.inplace_abn_.default, args, test_utils=util)
+
+
+# ---- no host synchronisation: a training step captured in a CUDA graph -------------
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu", "relu"])
+def test_cuda_graph_capture_of_a_training_step(activation):
+    """The layer's training forward and backward make no host-synchronising call
+    (capture would fail), and replaying the graph gives bit for bit the eager step:
+    output, the three gradients, running statistics and num_batches_tracked."""
+    torch.manual_seed(0)
+    layer = inplace_abn.InPlaceABN(16, activation=activation, activation_param=0.1).cuda()
+    x = torch.randn(8, 16, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+    dy = torch.randn_like(x)
+
+    def step(m):
+        y = m(x.clone(memory_format=torch.preserve_format))
+        return (y, *torch.autograd.grad(y, [x, m.weight, m.bias], dy))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # relu's "saves no memory"
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs asks
+            for _ in range(2):
+                step(layer)
+        torch.cuda.current_stream().wait_stream(side)
+        eager = copy.deepcopy(layer)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step(layer)
+        graph.replay()
+        want = step(eager)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), captured, want):
+        assert torch.equal(a, b), name
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(layer, name), getattr(eager, name)), name
+
+
+# ---- realistic sizes: many chunks per channel, vector loads, all grid shapes --------
+
+BIG = {
+    "resnet": ((32, 256, 56, 56), torch.contiguous_format),
+    "resnet_cl": ((32, 256, 56, 56), torch.channels_last),
+    "deep": ((64, 2048, 7, 7), torch.contiguous_format),
+    "deep_cl": ((64, 2048, 7, 7), torch.channels_last),
+    "odd_cl": ((16, 67, 33, 35), torch.channels_last),  # C with an odd factor: per-element coefficient loads
+    "rows": ((131072, 96), torch.contiguous_format),
+    "wide": ((2, 70001, 5), torch.contiguous_format),  # more channels than a grid's y dimension
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu"])
+@pytest.mark.parametrize("size", list(BIG))
+def test_cuda_realistic_sizes_match_float64(size, activation, dtype):
+    shape, fmt = BIG[size]
+    case = make_case(shape, dtype, seed=11)
+    with inplace_abn.use_backend("native"):
+        ours = _run(case, "cuda", fmt, activation, "abs")
+    ref = _run(case, "cuda", fmt, activation, "abs", dtype=torch.float64, fn="stock")
+    err = errors(ours, ref)
+    limit = TOL[dtype] * (10 if activation == "silu" and dtype == torch.float32 else 1)
+    assert max(err.values()) <= limit, err
+
+
+# ---- more than 2^31 elements: 64-bit indexing in every kernel ----------------------
+
+def _device_gib():
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_device_gib() < 60, reason="needs about 45 GiB of GPU memory")
+@pytest.mark.parametrize("layout", ["4d", "4d_channels_last", "2d"])
+def test_cuda_beyond_two_to_the_31_elements(layout):
+    """A batch of R copies of one tile has the tile's batch statistics, so every copy's
+    output and input gradient are the tile's, and the parameter gradients R times the
+    tile's: the last copy, past element 2^31, checked against the float64 reference."""
+    tile_shape = (16384, 128) if layout == "2d" else (2, 64, 128, 128)
+    fmt = torch.channels_last if layout == "4d_channels_last" else torch.contiguous_format
+    R = 1025  # R * 2^21 elements > 2^31
+    case = make_case(tile_shape, torch.float32, seed=3)
+    ref = _run(case, "cuda", fmt, "silu", "abs", dtype=torch.float64, fn="stock")
+    reps = (R,) + (1,) * (len(tile_shape) - 1)
+    n0 = tile_shape[0]
+    leaf = case["x"].cuda().repeat(*reps).contiguous(memory_format=fmt).requires_grad_()
+    assert leaf.numel() > 2**31
+    w, b = case["w"].cuda().requires_grad_(), case["b"].cuda().requires_grad_()
+    rm, rv = case["rm"].cuda(), case["rv"].cuda()
+    dy = case["dy"].cuda().repeat(*reps).contiguous(memory_format=fmt)
+    with inplace_abn.use_backend("native"):
+        y = inplace_abn.inplace_abn(leaf.clone(memory_format=torch.preserve_format), w, b, rm, rv, True, 0.1, 1e-5,
+                                    "silu", 0.0)
+    dx, dw, db = torch.autograd.grad(y, [leaf, w, b], dy)
+    del dy, leaf
+    for name, big, want in (("y", y, ref["y"]), ("dx", dx, ref["dx"])):
+        for first in (0, (R - 1) * n0):
+            assert rel_err(big[first:first + n0], want.cuda()) < 2e-4, (name, first)
+    assert rel_err(dw, ref["dw"].cuda() * R) < 2e-4 and rel_err(db, ref["db"].cuda() * R) < 2e-4
+    assert rel_err(rm, ref["rm"].cuda()) < 2e-4
