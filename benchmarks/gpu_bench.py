@@ -11,7 +11,7 @@
    torchvision's resnet50, stock vs converted (inplace_abn.convert_model), and
    the largest batch that fits in a memory cap.
 
-    python benchmarks/gpu_bench.py [--quick] [--repeats N] [--no-resnet] [--mem-gb G]
+    python benchmarks/gpu_bench.py [--quick] [--repeats N] [--no-resnet] [--no-search] [--mem-gb G]
 """
 import argparse
 import statistics
@@ -193,7 +193,7 @@ def memory(args):
                     model = model.to(memory_format=torch.channels_last)
                 peak = train_step_peak(model, batch, cl)
                 t0 = time.time()
-                lb = largest_batch(model, cl) if not args.quick else "skipped (--quick)"
+                lb = "skipped" if args.quick or args.no_search else largest_batch(model, cl)
                 key = f"{name}{' channels_last' if cl else ''}"
                 results[key] = peak
                 print(f"{key:>26}: peak {peak / 2**30:7.2f} GiB at batch {batch}; largest batch {lb}"
@@ -215,6 +215,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-resnet", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--no-search", action="store_true", help="peak memory only, no largest-batch search")
     ap.add_argument("--mem-gb", type=float, default=40.0)
     args = ap.parse_args()
     if not torch.cuda.is_available():
