@@ -130,7 +130,7 @@ def test_cuda_relu_one_pass_and_eval_agree_with_cpu(fmt, training):
         layer = inplace_abn.InPlaceABN(6, activation="relu").to(dev).train(training)
         with torch.no_grad():
             layer.running_var.fill_(1.5)
-        x0 = x.to(dev).requires_grad_()
+        x0 = x.to(dev, copy=True).requires_grad_()  # (a leaf on both devices)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (relu is not invertible: warned once)
             y = layer(x0.clone())
