@@ -52,7 +52,9 @@ def stock_act(y, activation, param):
     return y
 
 
-def bench_layer(shape, dtype, memory_format, activation, param, warmup, repeats):
+def layer_fns(shape, dtype, memory_format, activation, param):
+    """(prepare, run) pairs of one training step (forward + backward) of the in-place
+    layer, of stock batch_norm + activation, and of 4 clones (the floor)."""
     from inplace_abn.functions import inplace_abn
 
     dev = torch.device("cuda")
@@ -68,9 +70,6 @@ def bench_layer(shape, dtype, memory_format, activation, param, warmup, repeats)
     # overwritten); the copy is made outside the timed region.
     leaf = base.clone().requires_grad_()
 
-    def prep_inplace():
-        return leaf.clone()
-
     def run_inplace(x):
         y = inplace_abn(x, weight, bias, rm, rv, training=True, momentum=0.1, eps=1e-5, activation=activation,
                         activation_param=param)
@@ -78,9 +77,6 @@ def bench_layer(shape, dtype, memory_format, activation, param, warmup, repeats)
         torch.autograd.grad(y, (leaf, weight, bias), dy)
 
     xs = base.clone().requires_grad_()
-
-    def prep_stock():
-        return xs
 
     def run_stock(x):
         y = F.batch_norm(x, rm, rv, weight, bias, training=True, momentum=0.1, eps=1e-5)
@@ -91,14 +87,53 @@ def bench_layer(shape, dtype, memory_format, activation, param, warmup, repeats)
         for _ in range(4):
             x.clone()
 
-    t_floor = timed(run_floor, lambda: base, warmup, repeats)
-    t_stock = timed(run_stock, prep_stock, warmup, repeats)
+    return {"inplace": (leaf.clone, run_inplace), "stock": (lambda: xs, run_stock), "floor": (lambda: base, run_floor)}
+
+
+def bench_layer(shape, dtype, memory_format, activation, param, warmup, repeats):
+    fns = layer_fns(shape, dtype, memory_format, activation, param)
+    t_floor = timed(fns["floor"][1], fns["floor"][0], warmup, repeats)
+    t_stock = timed(fns["stock"][1], fns["stock"][0], warmup, repeats)
     try:
-        t_inplace = timed(run_inplace, prep_inplace, warmup, repeats)
+        t_inplace = timed(fns["inplace"][1], fns["inplace"][0], warmup, repeats)
     except Exception as e:  # report and go on with the other configurations
         print(f"    in-place layer failed: {type(e).__name__}: {e}")
         t_inplace = float("nan")
     return t_inplace, t_stock, t_floor
+
+
+def launches(args):
+    """GPU kernels of one training step of one layer (torch.profiler), and the host's
+    time per step: a layer bound by the host leaves the GPU idle between launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    print("== kernels per training step of one layer (torch.profiler), host time per step")
+    shape = QUICK_SHAPES[0]
+    for activation, param in (("leaky_relu", 0.01), ("silu", 0.0)):
+        fns = layer_fns(shape, torch.float32, torch.channels_last, activation, param)
+        for name in ("inplace", "stock"):
+            prepare, run = fns[name]
+            for _ in range(3):
+                run(prepare())
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run(prepare())
+                torch.cuda.synchronize()
+            kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            inputs = [prepare() for _ in range(args.repeats)]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for x in inputs:
+                run(x)
+            host = (time.perf_counter() - t0) / len(inputs) * 1e3
+            torch.cuda.synchronize()
+            print(f"{str(shape):>20} float32 channels_last {activation:>10} {name:>8}: {len(kernels):3d} kernels,"
+                  f" host {host:.3f} ms/step", flush=True)
+            if name == "inplace":
+                short = [k.replace("void ", "").replace("(anonymous namespace)::", "").split("<")[0].split("(")[0]
+                         for k in kernels]
+                print("    " + ", ".join(f"{k} x{short.count(k)}" for k in sorted(set(short))))
+            del inputs
 
 
 def speed(args):
@@ -227,6 +262,10 @@ def main():
 
     if not args.no_speed:
         speed(args)
+        try:
+            launches(args)
+        except Exception as e:  # (profiler trouble must not cost the memory figures)
+            print(f"kernel count failed: {type(e).__name__}: {e}")
     if not args.no_resnet:
         memory(args)
     return 0
