@@ -1,7 +1,8 @@
 // The stubs' run-time choice of kernel: on the CPU the best instruction set
 // compiled into this build (src/cpu/<op>_kernel.cpp is built once per ISA,
 // see setup.py) that both PyTorch (ATEN_CPU_CAPABILITY overrides it, as for
-// PyTorch's own kernels) and this CPU allow; on CUDA the registered kernel.
+// PyTorch's own kernels) and this CPU allow; on CUDA the registered kernel
+// (and the per-channel kernels of ChannelStub).
 #include <ATen/Version.h>
 #include <c10/util/Exception.h>
 
@@ -44,6 +45,14 @@ void KernelStub::operator()(const KernelArgs& a) const {
   }
   TORCH_CHECK(k != nullptr, "inplace_abn: no kernel for ", a.x.device(), " in this build");
   k(a);
+}
+
+ChannelStub cuda_channel_stub;
+
+const ChannelStub& device_channel_stub(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && cuda_channel_stub.table != nullptr, "inplace_abn: no kernel for ", x.device(),
+              " in this build");
+  return cuda_channel_stub;
 }
 
 }  // namespace inplace_abn

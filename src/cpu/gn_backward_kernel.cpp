@@ -145,7 +145,8 @@ void gn_backward_planes(const KernelArgs& a) {
       const auto [mz, mzx] = ga.group_means(col0);
       for (int64_t c = 0; c < cg; ++c) {
         const int64_t col = col0 + c, e = col * P, o = c * P;
-        const auto row = gn_input_row<double>(ga.gain[col], ga.rstd[col], mzx, mz);
+        double row[3];
+        gn_input_row(ga.gain[col], ga.rstd[col], mzx, mz, row);
         const V ca(static_cast<F>(row[0])), cb(static_cast<F>(row[1])), c0(static_cast<F>(row[2]));
         const V sh(ga.shift[col]);
         for_vectors<W>(P, [&](int64_t j, int cnt, auto full) {
@@ -222,7 +223,8 @@ void gn_backward_rows(const KernelArgs& a) {
       for (int64_t g = 0; g < G; ++g) {
         const auto [mz, mzx] = ga.group_means(col0 + g * cg);
         for (int64_t c = g * cg; c < (g + 1) * cg; ++c) {
-          const auto row = gn_input_row<double>(ga.gain[col0 + c], ga.rstd[col0 + c], mzx, mz);
+          double row[3];
+          gn_input_row(ga.gain[col0 + c], ga.rstd[col0 + c], mzx, mz, row);
           for (int k = 0; k < 3; ++k) coef[k * CP + c] = static_cast<F>(row[k]);
         }
       }

@@ -26,14 +26,9 @@ void input_pass(const Groups& grp, const at::Tensor& x, const at::Tensor& gy, bo
                 double eps, Act act, double param, bool signed_weight, double sums_scale, const at::Tensor& dx,
                 const at::Tensor& dres, const Geometry& g, const char* name) {
   const at::Tensor xv = grp.view(x);
-  const at::Tensor coef = coef_table<5>(xv, in, [&](const auto& v) {
-    const auto r = inv_std(v[0], eps), gn = gain(v[1], has_weight, eps, signed_weight), a_gz = gn * r;
-    if (grp.G) {
-      const auto [a, b, c0] = gn_input_row(gn, r, v[3] * sums_scale, v[4] * sums_scale);
-      return std::array{v[2], a, b, c0};
-    }
-    return std::array{v[2], a_gz, -r * (v[3] * sums_scale), -a_gz * (v[4] * sums_scale)};
-  }, grp.columns(x));
+  const at::Tensor coef =
+      coef_table<5>(xv, in, {.table = Table::Input, .eps = eps, .has_weight = has_weight, .signed_weight = signed_weight,
+                             .groupnorm = grp.G > 0, .sums_scale = sums_scale}, grp.columns(x));
   grp.run(backward_input_stub,
           {.x = xv, .dy = grp.view(gy), .residual = grp.view(res), .mask = from_z ? at::Tensor() : mask,
            .coef = coef, .out1 = from_z ? xv : grp.view(dx), .out2 = grp.view(dres), .from_z = from_z,

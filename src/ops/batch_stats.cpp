@@ -13,20 +13,21 @@ KernelStub batch_stats_stub;
 
 namespace {
 
-// r <- (1 - m) r + m s, in float64, rounded to r's dtype: one loop on the CPU
-// (no ATen op per statistic), the same formula with tensor ops elsewhere (no
-// host sync), so both give the same bits.
+// r <- running_update(r, s, factor, m) (channel_math.h), in float64, rounded to
+// r's dtype: one loop on the CPU, one launch for both statistics on a GPU.
 void move_running(const at::Tensor& r, const at::Tensor& s, double factor, double m) {
-  if (r.is_cpu() && r.is_contiguous()) {
-    const DoubleReader sp(s);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.scalar_type(), "move_running", [&] {
-      scalar_t* rp = r.data_ptr<scalar_t>();
-      for (int64_t c = 0; c < r.numel(); ++c)
-        rp[c] = static_cast<scalar_t>((1.0 - m) * static_cast<double>(rp[c]) + m * (sp[c] * factor));
-    });
+  if (!r.is_contiguous()) {  // (a strided view of a buffer: updated through a copy)
+    const at::Tensor t = r.contiguous();
+    move_running(t, s, factor, m);
+    r.copy_(t);
     return;
   }
-  r.copy_(r.to(at::kDouble).mul(1.0 - m).add(s.to(at::kDouble).mul(factor).mul(m)));
+  const DoubleReader sp(s);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.scalar_type(), "move_running", [&] {
+    scalar_t* rp = r.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < r.numel(); ++c)
+      rp[c] = static_cast<scalar_t>(running_update(static_cast<double>(rp[c]), sp[c], factor, m));
+  });
 }
 
 // GroupNorm statistics (groups > 0): (N, G) mean and biased variance per
@@ -75,8 +76,14 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const OptTen
   batch_stats_stub({.x = x, .out1 = mean, .out2 = var, .g = geometry_of(x, "x")});
   if (update) {
     const at::NoGradGuard no_grad;  // buffers: no autograd history
-    if (running_mean.has_value()) move_running(*running_mean, mean, 1.0, momentum);
-    if (running_var.has_value()) move_running(*running_var, var, double(n) / double(n - 1), momentum);
+    const double var_factor = double(n) / double(n - 1);
+    if (!x.is_cpu()) {
+      device_channel_stub(x).running(running_mean.value_or(at::Tensor()), mean, running_var.value_or(at::Tensor()),
+                                     var, var_factor, momentum);
+    } else {
+      if (running_mean.has_value()) move_running(*running_mean, mean, 1.0, momentum);
+      if (running_var.has_value()) move_running(*running_var, var, var_factor, momentum);
+    }
   }
   return {mean, var};
 }

@@ -162,30 +162,6 @@ inline std::pair<at::Tensor, bool> relu_dy(const at::Tensor& dy, const at::Tenso
   return {at::threshold_backward(like(dy, y), y, 0), false};
 }
 
-// The coefficient formulas are written once, for T = double (the CPU fills
-// the table in one loop instead of ~15 small ATen ops: forward_ at 16x512x7x7
-// 110 -> 99 us, the backward ops ~5 us less each) and T = float64 tensor (any
-// other device: no host sync). The scalar helpers below compute what ATen's
-// CPU kernels do, so both paths give the same bits.
-inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }  // at::rsqrt on CPU
-inline double where(bool c, double a, double b) { return c ? a : b; }
-// v rounded to the accumulation dtype (the mean's hi part), as float64
-inline double round_to(double v, at::ScalarType acc) { return acc == at::kFloat ? double(float(v)) : v; }
-inline at::Tensor round_to(const at::Tensor& v, at::ScalarType acc) { return v.to(acc).to(at::kDouble); }
-
-// g~ = |gamma| + eps (abs mode) or sign(gamma) (|gamma| + eps) (signed mode,
-// sign(0) = +1); 1 (w itself) without a weight (a non-affine layer normalises to xhat).
-template <class T>
-T gain(const T& w, bool has_weight, double eps, bool signed_weight) {
-  using std::abs;
-  if (!has_weight) return w;
-  const T g = abs(w) + eps;
-  return signed_weight ? where(w < 0, -g, g) : g;
-}
-
-template <class T>
-T inv_std(const T& var, double eps) { return rsqrt(var + eps); }
-
 // A (C,) vector of the CPU read as float64: float32 / float64 contiguous
 // tensors in place (a conversion would cost one ATen call per vector and
 // operator call), others through a float64 copy. float -> double is exact, so
@@ -208,34 +184,20 @@ class DoubleReader {
   const double* pd_ = nullptr;
 };
 
-// A per-channel input of a table: its float64 values, `fill` where absent.
-// Column k of the table reads entry (k / div) % mod of t (mod 0: k / div),
-// see Groups.
-struct ChannelInput {
-  OptTensor t;
-  double fill;
-  int64_t div = 1, mod = 0;
-};
-
-// The (rows, C) table in the accumulation dtype of x: rows(v) maps the K
-// inputs v[k] (doubles or float64 tensors) to the rows' std::array.
-// cols: the number of columns, x.size(1) unless given (channels-last GroupNorm: N C).
-template <size_t K, class F>
-at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in, F rows, int64_t cols = -1) {
+// The (rows, cols) coefficient table `spec` of x's operator, in x's accumulation
+// dtype, from the K inputs in (channel_math.h gives both). cols: the number of
+// columns, x.size(1) unless given (GroupNorm: N C). The CPU fills it in one loop
+// (no ATen op per formula: forward_ at 16x512x7x7 110 -> 99 us), a GPU in one launch.
+template <size_t K>
+at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in, const TableSpec& spec,
+                      int64_t cols = -1) {
   const auto acc = acc_type_of(x.scalar_type());
   const int64_t C = cols >= 0 ? cols : x.size(1);
+  const int R = table_rows_of(spec.table);
   if (!x.is_cpu()) {
-    std::array<at::Tensor, K> v;
-    for (size_t k = 0; k < K; ++k) {
-      const auto dbl = x.options().dtype(at::kDouble);
-      v[k] = in[k].t.has_value() ? in[k].t->reshape(-1).to(at::kDouble) : at::full({C}, in[k].fill, dbl);
-      if (in[k].t.has_value() && (in[k].div != 1 || in[k].mod)) {  // the columns' entries (GroupNorm)
-        at::Tensor idx = at::arange(C, x.options().dtype(at::kLong)).div(in[k].div, "floor");
-        v[k] = v[k].index_select(0, in[k].mod ? idx.remainder(in[k].mod) : idx);
-      }
-    }
-    const auto r = rows(v);
-    return at::stack(r).to(acc);
+    at::Tensor table = at::empty({R, C}, x.options().dtype(acc));
+    device_channel_stub(x).table(spec, in.data(), static_cast<int>(K), table);
+    return table;
   }
   std::array<std::optional<DoubleReader>, K> rd;
   bool flat = true;  // BatchNorm: every input read at the column itself
@@ -243,45 +205,52 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
     if (in[k].t.has_value()) rd[k].emplace(*in[k].t);  // (read flat: (N, G) statistics too)
     flat = flat && in[k].div == 1 && in[k].mod == 0;
   }
-  constexpr size_t R = std::tuple_size_v<decltype(rows(std::array<double, K>{}))>;
-  at::Tensor table = new_empty({int64_t(R), C}, x.options().dtype(acc));
+  at::Tensor table = new_empty({R, C}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "coef_table", [&] {
     scalar_t* out = table.template data_ptr<scalar_t>();
-    auto put = [&](int64_t c, const std::array<double, K>& vc) {
-      const auto rw = rows(vc);
-      for (size_t i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
-    };
-    constexpr int64_t kGrain = 2048;  // columns per task; fewer run on the calling thread
-    // BatchNorm's columns without the bookkeeping below, which the compiler kept in
-    // the loop (2x32x7x7 step under callgrind: ~5k instructions more with it)
-    if (flat && C < kGrain) {
-      for (int64_t c = 0; c < C; ++c) {
-        std::array<double, K> vc;
-        for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
-        put(c, vc);
-      }
-      return;
-    }
-    // GroupNorm mode has N C columns: split them across threads, and count the
-    // entries read (q, r: k = q div + r) on instead of dividing per column (the
-    // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
-    at::parallel_for(0, C, kGrain, [&](int64_t c0, int64_t c1) {
-      std::array<int64_t, K> q, r;
-      for (size_t k = 0; k < K; ++k) {
-        q[k] = c0 / in[k].div;
-        r[k] = c0 - q[k] * in[k].div;
-        if (in[k].mod) q[k] %= in[k].mod;
-      }
-      for (int64_t c = c0; c < c1; ++c) {
-        std::array<double, K> vc;
-        for (size_t k = 0; k < K; ++k) {
-          vc[k] = rd[k] ? (*rd[k])[q[k]] : in[k].fill;
-          if (++r[k] == in[k].div) {
-            r[k] = 0;
-            if (++q[k] == in[k].mod) q[k] = 0;
+    dispatch_table(spec.table, [&](auto tag) {
+      constexpr Table T = decltype(tag)::value;
+      if constexpr (static_cast<size_t>(table_inputs_of(T)) != K) {  // (never compiled for another table's K)
+        TORCH_CHECK(false, "inplace_abn: table ", static_cast<int>(T), " takes ", table_inputs_of(T), " inputs");
+      } else {
+        auto put = [&](int64_t c, const double* vc) {
+          double rw[table_rows_of(T)];
+          table_column<T>(spec, vc, rw);
+          for (int i = 0; i < table_rows_of(T); ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
+        };
+        constexpr int64_t kGrain = 2048;  // columns per task; fewer run on the calling thread
+        // BatchNorm's columns without the bookkeeping below, which the compiler kept in
+        // the loop (2x32x7x7 step under callgrind: ~5k instructions more with it)
+        if (flat && C < kGrain) {
+          for (int64_t c = 0; c < C; ++c) {
+            double vc[K];
+            for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
+            put(c, vc);
           }
+          return;
         }
-        put(c, vc);
+        // GroupNorm mode has N C columns: split them across threads, and count the
+        // entries read (q, r: k = q div + r) on instead of dividing per column (the
+        // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
+        at::parallel_for(0, C, kGrain, [&](int64_t c0, int64_t c1) {
+          std::array<int64_t, K> q, r;
+          for (size_t k = 0; k < K; ++k) {
+            q[k] = c0 / in[k].div;
+            r[k] = c0 - q[k] * in[k].div;
+            if (in[k].mod) q[k] %= in[k].mod;
+          }
+          for (int64_t c = c0; c < c1; ++c) {
+            double vc[K];
+            for (size_t k = 0; k < K; ++k) {
+              vc[k] = rd[k] ? (*rd[k])[q[k]] : in[k].fill;
+              if (++r[k] == in[k].div) {
+                r[k] = 0;
+                if (++q[k] == in[k].mod) q[k] = 0;
+              }
+            }
+            put(c, vc);
+          }
+        });
       }
     });
   });

@@ -1,16 +1,17 @@
 // The contract between the device-agnostic front ends (src/ops/<op>.cpp) and
 // the device kernels (src/cpu/<op>_kernel.cpp, src/cuda/<op>_kernel.cu): the
-// arguments every kernel receives, the rows of the per-channel coefficient
-// table, and one dispatch stub per operator (as ATen's DispatchStub: each
+// arguments every kernel receives (the coefficient tables' rows: channel_math.h),
+// and one dispatch stub per operator (as ATen's DispatchStub: each
 // kernel file registers itself; the front end calls the stub).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <optional>
 #include <type_traits>
 
-#include "activations.h"
+#include "channel_math.h"
 
 namespace inplace_abn {
 
@@ -22,26 +23,6 @@ struct Geometry {
   bool channels_last;
   int64_t inner() const { return channels_last ? 1 : S; }
 };
-
-// Rows of the coefficient table (a contiguous (rows, C) tensor in the
-// accumulation dtype, computed by the front end):
-// forward_: z = ((x - mean_hi) - mean_lo) scale + shift [+ residual], the mean
-// split into hi + lo so that x - mean keeps its accuracy when |mean| >> std.
-enum ForwardRow : int { kFwdMeanHi, kFwdMeanLo, kFwdScale, kFwdShift, kFwdRows };
-// backward_reduce: zc = z - shift [- residual]; the kernel sums gz and gz zc,
-// and divides the second sum by the gain g~ (xhat = zc / g~).
-enum ReduceRow : int { kRedShift, kRedGain, kRedRows };
-// backward_input: dx = a gz + b zc + c0 = g~ r (gz - mean_gz - xhat mean_gz_xhat).
-enum InputRow : int { kInShift, kInA, kInB, kInC0, kInRows };
-// GroupNorm's (a, b, c0) of InputRow from its (n, group) means of g~ gz and of
-// g~ gz xhat, for channel gain g and inverse std r (zc = g~ xhat, hence the / g).
-template <class T>
-std::array<T, 3> gn_input_row(const T& g, const T& r, const T& mean_ggz_xhat, const T& mean_ggz) {
-  return {g * r, -r * mean_ggz_xhat / g, -r * mean_ggz};
-}
-// gn_backward (GroupNorm, contiguous, CPU), one column per (n, c): the shift and
-// gain of ReduceRow and the (n, group)'s inverse std; the kernel derives InputRow.
-enum GnRow : int { kGnShift, kGnGain, kGnRstd, kGnRows };
 
 struct KernelArgs {
   at::Tensor x;         // batch_stats, forward_ (overwritten): x; backward: y
@@ -70,6 +51,31 @@ struct KernelArgs {
 };
 
 using Kernel = void (*)(const KernelArgs&);
+
+// A per-channel input of a coefficient table: its values, `fill` where absent.
+// Column k of the table reads entry (k / div) % mod of t (mod 0: k / div),
+// see Groups in src/ops/common.h.
+struct ChannelInput {
+  std::optional<at::Tensor> t;
+  double fill;
+  int64_t div = 1, mod = 0;
+};
+
+// The per-channel work of the front ends on a GPU, one launch each (the CPU does
+// it in loops, src/ops/common.h); the formulas are channel_math.h's.
+struct ChannelStub {
+  // the (table_rows_of(spec.table), cols) table, in its dtype, from the K inputs
+  void (*table)(const TableSpec& spec, const ChannelInput* in, int K, const at::Tensor& table) = nullptr;
+  // running_mean and running_var (either may be undefined) moved towards the batch's
+  // mean and var: running_update with factor 1 and var_factor
+  void (*running)(const at::Tensor& running_mean, const at::Tensor& mean, const at::Tensor& running_var,
+                  const at::Tensor& var, double var_factor, double momentum) = nullptr;
+  // out = abs_weight_grad(s, w) in out's (the weight's) dtype, w taken in s's dtype
+  void (*weight_grad)(const at::Tensor& s, const at::Tensor& w, const at::Tensor& out) = nullptr;
+};
+extern ChannelStub cuda_channel_stub;
+// cuda_channel_stub for a tensor on a GPU, checked (src/cpu/dispatch.cpp).
+const ChannelStub& device_channel_stub(const at::Tensor& x);
 
 // CPU kernels are compiled once per instruction set; the stub runs the best
 // one this machine and PyTorch allow (src/cpu/dispatch.cpp).

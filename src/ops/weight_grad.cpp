@@ -1,7 +1,5 @@
 // inplace_abn::weight_grad: dweight = S_gx dg~/dweight (docs/DESIGN.md section
 // 2) in the weight's dtype, one call instead of sign, multiply and cast.
-#include <ATen/core/grad_mode.h>
-
 #include "ops/common.h"
 #include "ops/ops.h"
 
@@ -19,22 +17,17 @@ at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, 
   c10::OptionalDeviceGuard guard(weight.device());
   at::Tensor out = new_empty({weight.size(0)}, weight.options());
   if (signed_weight) return out.copy_(sum_gz_xhat);  // dg~/dweight = 1
-  if (!weight.is_cpu()) {  // sign(w) s in s's dtype, as torch computes it; no host sync
-    const at::NoGradGuard no_grad;
-    return out.copy_(sum_gz_xhat * at::sign(weight.detach().to(sum_gz_xhat.scalar_type())));
+  if (!weight.is_cpu()) {  // one launch, no host sync
+    device_channel_stub(weight).weight_grad(sum_gz_xhat, weight.detach(), out);
+    return out;
   }
-  // CPU: one loop. s * sign(w) is exact (s, -s or 0; NaN for a NaN weight, as at::sign)
-  // (the weight's sign is taken in the sums' dtype, as on other devices)
+  // CPU: one loop (the weight's sign taken in the sums' dtype, as on a GPU)
   const DoubleReader sp(sum_gz_xhat);
   const auto st = sum_gz_xhat.scalar_type();
   const DoubleReader wp(weight.scalar_type() == st ? weight.detach() : weight.detach().to(st));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "weight_grad", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t c = 0; c < out.numel(); ++c) {
-      const double wc = wp[c];
-      const double sign = wc > 0 ? 1.0 : wc < 0 ? -1.0 : wc == 0 ? 0.0 : wc;  // NaN: NaN
-      op[c] = static_cast<scalar_t>(sp[c] * sign);
-    }
+    for (int64_t c = 0; c < out.numel(); ++c) op[c] = static_cast<scalar_t>(abs_weight_grad(sp[c], wp[c]));
   });
   return out;
 }
