@@ -8,8 +8,8 @@
    for leaky_relu and silu, float32 and bfloat16, contiguous and channels_last,
    at ResNet-like shapes; printed as times and ratios.
 2. Memory: torch.cuda.max_memory_allocated() over one training step of
-   torchvision's resnet50, stock vs converted (inplace_abn.convert_model), and
-   the largest batch that fits in a memory cap.
+   torchvision's resnet50, stock vs converted (inplace_abn.convert_model), the
+   step's time (median of 10), and the largest batch that fits in a memory cap.
 
     python benchmarks/gpu_bench.py [--quick] [--repeats N] [--no-resnet] [--no-search] [--mem-gb G]
 """
@@ -227,12 +227,17 @@ def memory(args):
                 if cl:
                     model = model.to(memory_format=torch.channels_last)
                 peak = train_step_peak(model, batch, cl)
+                x = torch.randn(batch, 3, 224, 224, device=dev)
+                x = x.contiguous(memory_format=torch.channels_last) if cl else x
+                step = timed(lambda _: model(x).float().sum().backward(), lambda: None, 3, 10)
+                model.zero_grad(set_to_none=True)
+                del x
                 t0 = time.time()
                 lb = "skipped" if args.quick or args.no_search else largest_batch(model, cl)
                 key = f"{name}{' channels_last' if cl else ''}"
                 results[key] = peak
-                print(f"{key:>26}: peak {peak / 2**30:7.2f} GiB at batch {batch}; largest batch {lb}"
-                      f" ({time.time() - t0:.0f} s search)", flush=True)
+                print(f"{key:>26}: peak {peak / 2**30:7.2f} GiB at batch {batch}, step {step:7.2f} ms;"
+                      f" largest batch {lb} ({time.time() - t0:.0f} s search)", flush=True)
             except Exception as e:
                 print(f"{name} (channels_last={cl}) failed: {type(e).__name__}: {e}")
             finally:
