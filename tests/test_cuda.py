@@ -178,19 +178,11 @@ def test_cuda_preserve_input_is_the_in_place_layer(activation, fmt):
 def test_cuda_opcheck(act, fmt, residual):
     """torch.library.opcheck of every BatchNorm operator with CUDA tensors (test_opcheck.py
     does the same on the CPU), the fused bn_backward and the composite layer included."""
-    from test_opcheck import _args
+    from test_opcheck import _args, opcheck_operators
     ops = torch.ops.inplace_abn
-    x, mean, var, w, b, r, p = (t.cuda() if isinstance(t, torch.Tensor) else t for t in _args(act, fmt, residual))
-    torch.library.opcheck(ops.batch_stats.default, (x,))
-    torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, True))
-    y = x.clone()
-    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, False)
-    dy = torch.randn_like(y)
-    torch.library.opcheck(ops.backward_reduce.default, (y, dy, mask, w, b, r, 1e-5, act, p, False))
-    s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, False)
-    n = x.numel() // x.shape[1]
-    torch.library.opcheck(ops.backward_input.default,
-                          (y, dy, mask, var, w, b, r, s_g / n, s_gx / n, 1e-5, act, p, False, residual))
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in _args(act, fmt, residual)]
+    x, mean, var, w, b, r, p = args
+    y, dy, mask = opcheck_operators(args, act, True, residual)
     torch.library.opcheck(ops.bn_backward.default,
                           (y, dy, mask, var, w, b, r, 1e-5, act, p, False, True, [True, True, True, residual]))
     C = x.shape[1]

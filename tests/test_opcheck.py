@@ -34,8 +34,14 @@ FORMATS = [torch.contiguous_format, torch.channels_last]
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("act", ACTS)
 def test_opcheck_all_operators(act, fmt, training, residual):
+    opcheck_operators(_args(act, fmt, residual, training=training), act, training, residual)
+
+
+def opcheck_operators(args, act, training, residual):
+    """opcheck of batch_stats, forward_, backward_reduce and backward_input on _args'
+    tensors (on the CPU here, on CUDA in test_cuda.py); returns y, dy and the mask."""
     ops = torch.ops.inplace_abn
-    x, mean, var, w, b, r, p = _args(act, fmt, residual, training=training)
+    x, mean, var, w, b, r, p = args
     torch.library.opcheck(ops.batch_stats.default, (x,))
     torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, True))
     y = x.clone()
@@ -47,6 +53,7 @@ def test_opcheck_all_operators(act, fmt, training, residual):
     mg, mgx = (s_g / n, s_gx / n) if training else (torch.zeros_like(s_g), torch.zeros_like(s_gx))
     torch.library.opcheck(ops.backward_input.default,
                           (y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual))
+    return y, dy, mask
 
 
 def _separate_backward(y, dy, mask, var, w, b, r, act, p, signed, training, need, relu=False):
