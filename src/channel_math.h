@@ -51,7 +51,6 @@ IABN_HD constexpr int table_rows_of(Table t) {
 
 // The scalars of a table besides its per-channel inputs.
 struct TableSpec {
-  Table table;
   double eps;
   bool has_weight;     // else g~ = 1 (the weight's fill): a non-affine layer normalises to xhat
   bool signed_weight;  // g~ = sign(gamma) (|gamma| + eps), sign(0) = +1; else |gamma| + eps

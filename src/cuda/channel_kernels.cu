@@ -89,9 +89,8 @@ at::Tensor readable_copy(const at::Tensor& t) {
   return readable(t.scalar_type()) ? t.contiguous() : t.to(at::kDouble).contiguous();
 }
 
-void table_cuda(const TableSpec& spec, const ChannelInput* in, int K, const at::Tensor& table) {
-  TORCH_CHECK(K == table_inputs_of(spec.table), "inplace_abn: table ", static_cast<int>(spec.table), " takes ",
-              table_inputs_of(spec.table), " inputs, got ", K);
+void table_cuda(Table t, const TableSpec& spec, const ChannelInput* in, const at::Tensor& table) {
+  const int K = table_inputs_of(t);
   std::array<at::Tensor, kMaxTableInputs> keep;  // (alive until the launch is queued)
   Columns cols;
   for (int k = 0; k < K; ++k) {
@@ -106,7 +105,7 @@ void table_cuda(const TableSpec& spec, const ChannelInput* in, int K, const at::
   }
   const int64_t C = table.size(1);
   AT_DISPATCH_FLOATING_TYPES(table.scalar_type(), "inplace_abn_table_cuda", [&] {
-    dispatch_table(spec.table, [&](auto tag) {
+    dispatch_table(t, [&](auto tag) {
       launch(&table_kernel<decltype(tag)::value, scalar_t>, channel_grid(C), dim3(kChannelThreads), spec, cols, K, C,
              table.mutable_data_ptr<scalar_t>());
     });

@@ -27,8 +27,8 @@ void input_pass(const Groups& grp, const at::Tensor& x, const at::Tensor& gy, bo
                 const at::Tensor& dres, const Geometry& g, const char* name) {
   const at::Tensor xv = grp.view(x);
   const at::Tensor coef =
-      coef_table<5>(xv, in, {.table = Table::Input, .eps = eps, .has_weight = has_weight, .signed_weight = signed_weight,
-                             .groupnorm = grp.G > 0, .sums_scale = sums_scale}, grp.columns(x));
+      coef_table<Table::Input>(xv, in, {.eps = eps, .has_weight = has_weight, .signed_weight = signed_weight,
+                                        .groupnorm = grp.G > 0, .sums_scale = sums_scale}, grp.columns(x));
   grp.run(backward_input_stub,
           {.x = xv, .dy = grp.view(gy), .residual = grp.view(res), .mask = from_z ? at::Tensor() : mask,
            .coef = coef, .out1 = from_z ? xv : grp.view(dx), .out2 = grp.view(dres), .from_z = from_z,

@@ -14,9 +14,8 @@ void reduce_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, b
                  const at::Tensor& sum_gz_xhat) {
   const std::array<ChannelInput, 2> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight")};
   const at::Tensor yv = grp.view(y);
-  const at::Tensor coef = coef_table<2>(
-      yv, in, {.table = Table::Reduce, .eps = eps, .has_weight = weight.has_value(), .signed_weight = signed_weight},
-      grp.columns(y));
+  const at::Tensor coef = coef_table<Table::Reduce>(
+      yv, in, {.eps = eps, .has_weight = weight.has_value(), .signed_weight = signed_weight}, grp.columns(y));
   grp.run(backward_reduce_stub,
           {.x = yv, .dy = grp.view(gy), .residual = grp.view(res), .mask = mask, .coef = coef, .out1 = sum_gz,
            .out2 = sum_gz_xhat, .z = grp.view(z), .relu = kernel_relu, .g = geometry_of(yv, "y"), .act = act,

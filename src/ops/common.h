@@ -184,19 +184,21 @@ class DoubleReader {
   const double* pd_ = nullptr;
 };
 
-// The (rows, cols) coefficient table `spec` of x's operator, in x's accumulation
-// dtype, from the K inputs in (channel_math.h gives both). cols: the number of
-// columns, x.size(1) unless given (GroupNorm: N C). The CPU fills it in one loop
-// (no ATen op per formula: forward_ at 16x512x7x7 110 -> 99 us), a GPU in one launch.
-template <size_t K>
-at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in, const TableSpec& spec,
-                      int64_t cols = -1) {
+// The (rows, cols) coefficient table T of x's operator, in x's accumulation
+// dtype, from its inputs in and scalars spec (channel_math.h gives all three).
+// cols: the number of columns, x.size(1) unless given (GroupNorm: N C). The CPU
+// fills it in one loop (no ATen op per formula: forward_ at 16x512x7x7 110 -> 99
+// us), a GPU in one launch.
+template <Table T>
+at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, table_inputs_of(T)>& in,
+                      const TableSpec& spec, int64_t cols = -1) {
+  constexpr size_t K = table_inputs_of(T);
+  constexpr int R = table_rows_of(T);
   const auto acc = acc_type_of(x.scalar_type());
   const int64_t C = cols >= 0 ? cols : x.size(1);
-  const int R = table_rows_of(spec.table);
   if (!x.is_cpu()) {
     at::Tensor table = at::empty({R, C}, x.options().dtype(acc));
-    device_channel_stub(x).table(spec, in.data(), static_cast<int>(K), table);
+    device_channel_stub(x).table(T, spec, in.data(), table);
     return table;
   }
   std::array<std::optional<DoubleReader>, K> rd;
@@ -208,49 +210,42 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, K>& in
   at::Tensor table = new_empty({R, C}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "coef_table", [&] {
     scalar_t* out = table.template data_ptr<scalar_t>();
-    dispatch_table(spec.table, [&](auto tag) {
-      constexpr Table T = decltype(tag)::value;
-      if constexpr (static_cast<size_t>(table_inputs_of(T)) != K) {  // (never compiled for another table's K)
-        TORCH_CHECK(false, "inplace_abn: table ", static_cast<int>(T), " takes ", table_inputs_of(T), " inputs");
-      } else {
-        auto put = [&](int64_t c, const double* vc) {
-          double rw[table_rows_of(T)];
-          table_column<T>(spec, vc, rw);
-          for (int i = 0; i < table_rows_of(T); ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
-        };
-        constexpr int64_t kGrain = 2048;  // columns per task; fewer run on the calling thread
-        // BatchNorm's columns without the bookkeeping below, which the compiler kept in
-        // the loop (2x32x7x7 step under callgrind: ~5k instructions more with it)
-        if (flat && C < kGrain) {
-          for (int64_t c = 0; c < C; ++c) {
-            double vc[K];
-            for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
-            put(c, vc);
+    auto put = [&](int64_t c, const double* vc) {
+      double rw[R];
+      table_column<T>(spec, vc, rw);
+      for (int i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
+    };
+    constexpr int64_t kGrain = 2048;  // columns per task; fewer run on the calling thread
+    // BatchNorm's columns without the bookkeeping below, which the compiler kept in
+    // the loop (2x32x7x7 step under callgrind: ~5k instructions more with it)
+    if (flat && C < kGrain) {
+      for (int64_t c = 0; c < C; ++c) {
+        double vc[K];
+        for (size_t k = 0; k < K; ++k) vc[k] = rd[k] ? (*rd[k])[c] : in[k].fill;
+        put(c, vc);
+      }
+      return;
+    }
+    // GroupNorm mode has N C columns: split them across threads, and count the
+    // entries read (q, r: k = q div + r) on instead of dividing per column (the
+    // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
+    at::parallel_for(0, C, kGrain, [&](int64_t c0, int64_t c1) {
+      std::array<int64_t, K> q, r;
+      for (size_t k = 0; k < K; ++k) {
+        q[k] = c0 / in[k].div;
+        r[k] = c0 - q[k] * in[k].div;
+        if (in[k].mod) q[k] %= in[k].mod;
+      }
+      for (int64_t c = c0; c < c1; ++c) {
+        double vc[K];
+        for (size_t k = 0; k < K; ++k) {
+          vc[k] = rd[k] ? (*rd[k])[q[k]] : in[k].fill;
+          if (++r[k] == in[k].div) {
+            r[k] = 0;
+            if (++q[k] == in[k].mod) q[k] = 0;
           }
-          return;
         }
-        // GroupNorm mode has N C columns: split them across threads, and count the
-        // entries read (q, r: k = q div + r) on instead of dividing per column (the
-        // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
-        at::parallel_for(0, C, kGrain, [&](int64_t c0, int64_t c1) {
-          std::array<int64_t, K> q, r;
-          for (size_t k = 0; k < K; ++k) {
-            q[k] = c0 / in[k].div;
-            r[k] = c0 - q[k] * in[k].div;
-            if (in[k].mod) q[k] %= in[k].mod;
-          }
-          for (int64_t c = c0; c < c1; ++c) {
-            double vc[K];
-            for (size_t k = 0; k < K; ++k) {
-              vc[k] = rd[k] ? (*rd[k])[q[k]] : in[k].fill;
-              if (++r[k] == in[k].div) {
-                r[k] = 0;
-                if (++q[k] == in[k].mod) q[k] = 0;
-              }
-            }
-            put(c, vc);
-          }
-        });
+        put(c, vc);
       }
     });
   });

@@ -50,8 +50,8 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
   const auto acc = acc_type_of(x.scalar_type());
   const at::Tensor xv = grp.view(x);
   const at::Tensor coef =
-      coef_table<4>(xv, in, {.table = Table::Forward, .eps = eps, .has_weight = weight.has_value(),
-                             .signed_weight = signed_weight, .acc_float = acc == at::kFloat}, grp.columns(x));
+      coef_table<Table::Forward>(xv, in, {.eps = eps, .has_weight = weight.has_value(), .signed_weight = signed_weight,
+                                          .acc_float = acc == at::kFloat}, grp.columns(x));
   grp.run(forward_stub,
           {.x = xv, .source = grp.view(source.value_or(at::Tensor())), .residual = grp.view(like(residual, x)), .mask = mask, .coef = coef,
            .out1 = grp.view(z_out.value_or(at::Tensor())), .g = geometry_of(xv, "x"), .act = act,

@@ -39,9 +39,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
                                              signed_weight, keep_z ? OptTensor(z) : std::nullopt, 1, false);
   const int64_t N = y.size(0), C = y.size(1), m = y.numel() / (N * G);  // m: elements per (n, group)
   // g~ per channel: the gain row of backward_reduce's table
-  const at::Tensor g = coef_table<2>(y, std::array<ChannelInput, 2>{ChannelInput{std::nullopt, 0.0}, {weight, 1.0}},
-                                     {.table = Table::Reduce, .eps = eps, .has_weight = weight.has_value(),
-                                      .signed_weight = signed_weight})[kRedGain];
+  const at::Tensor g = coef_table<Table::Reduce>(y, {ChannelInput{std::nullopt, 0.0}, ChannelInput{weight, 1.0}},
+                                                 {.eps = eps, .has_weight = weight.has_value(),
+                                                  .signed_weight = signed_weight})[kRedGain];
   // group means of g~ gz and g~ gz xhat, per sample (N, G)
   const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
   const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
@@ -75,9 +75,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
   if (y.numel() == 0) return {dx, dres, at::zeros({y.size(1)}, opts), at::zeros({y.size(1)}, opts)};
   const at::Tensor sum_gz = new_empty({y.size(1)}, opts), sum_gz_xhat = new_empty({y.size(1)}, opts);
   const TableGuard table_guard;
-  const at::Tensor coef = coef_table<3>(grp.view(y), in,
-                                        {.table = Table::GnBackward, .eps = eps, .has_weight = weight.has_value(),
-                                         .signed_weight = signed_weight}, grp.columns(y));
+  const at::Tensor coef = coef_table<Table::GnBackward>(
+      grp.view(y), in, {.eps = eps, .has_weight = weight.has_value(), .signed_weight = signed_weight}, grp.columns(y));
   gn_backward_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask, .coef = coef,
                     .out1 = dx, .out2 = residual_grad ? dres : at::Tensor(), .g = geometry_of(y, "y"), .act = act,
                     .param = activation_param, .groups = groups, .sum_gz = sum_gz, .sum_gz_xhat = sum_gz_xhat});

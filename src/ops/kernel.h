@@ -64,8 +64,8 @@ struct ChannelInput {
 // The per-channel work of the front ends on a GPU, one launch each (the CPU does
 // it in loops, src/ops/common.h); the formulas are channel_math.h's.
 struct ChannelStub {
-  // the (table_rows_of(spec.table), cols) table, in its dtype, from the K inputs
-  void (*table)(const TableSpec& spec, const ChannelInput* in, int K, const at::Tensor& table) = nullptr;
+  // the (table_rows_of(t), cols) table t, in its dtype, from its table_inputs_of(t) inputs
+  void (*table)(Table t, const TableSpec& spec, const ChannelInput* in, const at::Tensor& table) = nullptr;
   // running_mean and running_var (either may be undefined) moved towards the batch's
   // mean and var: running_update with factor 1 and var_factor
   void (*running)(const at::Tensor& running_mean, const at::Tensor& mean, const at::Tensor& running_var,
