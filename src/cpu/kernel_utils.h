@@ -790,8 +790,18 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     // super-rows per unit: about `block` elements, and at least 4 super-rows
     // when these are long, so that clearing and folding the accumulators
     // stays small next to the data
-    const int64_t br = std::max<int64_t>(R >= kBlock / 4 ? 4 : 1, block / R);
-    const int64_t units = (nsr + br - 1) / br;
+    int64_t br = std::max<int64_t>(R >= kBlock / 4 ? 4 : 1, block / R);
+    int64_t units = (nsr + br - 1) / br;
+    // Then units of equal size, their count rounded up to a multiple of four
+    // where the rows allow, so that two or four threads get equal shares: 16
+    // units of 49 super-rows rather than 13 of 64 (7 to one thread, 6 to the
+    // other) at 16x512x7x7 channels-last, SiLU backward_reduce keeping z, 2
+    // threads, AVX2: 1.05-1.08 -> 0.88-0.94 ns per element (ad-hoc timing).
+    if (units > 1) {
+      const int64_t units4 = (units + 3) / 4 * 4;
+      br = (nsr + units4 - 1) / units4;
+      units = (nsr + br - 1) / br;
+    }
     std::vector<double> buf(2 * C * units);
     // Sums over kRowGroup super-rows are kept in the compute type (one load and
     // one store per vector and sum), then added to double: a double
