@@ -12,8 +12,8 @@ and the kernel returns z = y * h, so z keeps its relative accuracy where it
 crosses 0. Right branch: y in [y*, 8]; left: y in [y*, -0.1]. Outside, the
 kernel falls back to the Halley inverse lane by lane. Two tables, one per ISA,
 each sized for the permute that picks a lane's coefficients:
-  AVX512: 8 segments a branch, degree 9 (16 entries: one vpermps of a zmm);
-  AVX2:   4 segments a branch, degree 12 (8 entries: one vpermps of a ymm).
+  AVX512: 8 segments a branch, degree 8 (16 entries: one vpermps of a zmm);
+  AVX2:   4 segments a branch, degree 11 (8 entries: one vpermps of a ymm).
 
 The fit is least squares in the relative error of h on Chebyshev points
 against a float64 bisection of f(z) = z sigmoid(z), using the float32 scale
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from inplace_abn._pure import SILU_YSTAR as Y_STAR  # noqa: E402
 from inplace_abn._pure import SILU_ZSTAR as Z_STAR  # noqa: E402
 
-TABLES = {"Avx512": (8, 9), "Avx2": (4, 12)}  # name: (segments a branch, degree)
+TABLES = {"Avx512": (8, 8), "Avx2": (4, 11)}  # name: (segments a branch, degree)
 Y_RIGHT_MAX = 8.0  # right branch beyond: z - y = y e^-z < 3e-3
 Y_LEFT_MAX = -0.1  # left branch beyond: the log tail of the Halley guess
 f64 = torch.float64
