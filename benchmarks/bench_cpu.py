@@ -192,8 +192,11 @@ def compare(args):
                    "--repeats", str(args.repeats), "--dtype", args.dtype] + (["--quick"] if args.quick else []) + (
                 ["--shapes", args.shapes] if args.shapes else []) + (
                 ["--activations", args.activations] if args.activations else [])
-            out = subprocess.run(cmd, env=env, cwd=roots[name], check=True, capture_output=True, text=True).stdout
-            res = json.loads(out.strip().splitlines()[-1])
+            proc = subprocess.run(cmd, env=env, cwd=roots[name], capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"bench_cpu.py --compare: the {name} build's worker ({roots[name]}) failed "
+                         f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
             assert res["file"].startswith(roots[name]), res["file"]
             times[name].append(res["ours"])
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
