@@ -790,7 +790,8 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     // super-rows per unit: about `block` elements, and at least 4 super-rows
     // when these are long, so that clearing and folding the accumulators
     // stays small next to the data
-    int64_t br = std::max<int64_t>(R >= kBlock / 4 ? 4 : 1, block / R);
+    const int64_t br_min = R >= kBlock / 4 ? 4 : 1;
+    int64_t br = std::max<int64_t>(br_min, block / R);
     int64_t units = (nsr + br - 1) / br;
     // Then units of equal size, their count rounded up to a multiple of four
     // where the rows allow, so that two or four threads get equal shares: 16
@@ -799,7 +800,7 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     // threads, AVX2: 1.05-1.08 -> 0.88-0.94 ns per element (ad-hoc timing).
     if (units > 1) {
       const int64_t units4 = (units + 3) / 4 * 4;
-      br = (nsr + units4 - 1) / units4;
+      br = std::max(br_min, (nsr + units4 - 1) / units4);
       units = (nsr + br - 1) / br;
     }
     std::vector<double> buf(2 * C * units);
