@@ -22,12 +22,11 @@ Environment:
 import glob
 import os
 import platform
-import subprocess
 import sys
 
 from setuptools import find_packages, setup
 
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension, check_compiler_is_gcc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,15 +78,6 @@ def _rel(pattern):
 KERNEL_SOURCES = _rel("src/cpu/*_kernel.cpp")
 
 
-def _is_gcc(compiler):
-    """Whether the compiler command (argv[0]) is GCC."""
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    except OSError:
-        return False
-    return "Free Software Foundation" in version
-
-
 def _cpu_capabilities(gcc=False):
     """(ISA, compiler flags) for each build of the CPU kernels, baseline first (flags as ATen's)."""
     isas = [("DEFAULT", [])]
@@ -110,7 +100,7 @@ class BuildExt(BuildExtension):
     def build_extension(self, ext):
         cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
         objects = []
-        for isa, flags in _cpu_capabilities(_is_gcc(self.compiler.compiler_so[0])):
+        for isa, flags in _cpu_capabilities(check_compiler_is_gcc(self.compiler.compiler_so[0])):
             objects += self.compiler.compile(KERNEL_SOURCES, output_dir=os.path.join(self.build_temp, isa.lower()),
                                              include_dirs=ext.include_dirs, extra_postargs=list(cxx) + flags)
         ext.extra_objects = objects + list(ext.extra_objects or [])
