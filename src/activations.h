@@ -1,13 +1,8 @@
-// Element-wise activation math of In-Place ABN: forward f(z), inverse f^-1(y)
-// and derivative f'(z) recovered from the output (docs/DESIGN.md section 3).
-//
-// This is the single source of truth for these formulas. It is written once,
-// generic over a "math" policy M that supplies the arithmetic on a value type
-// M::T: ScalarMath<float|double> below (used by the CUDA kernels) and
-// VecMath<float|double> over at::vec::Vectorized in the CPU kernels
-// (src/cpu/kernel_utils.h). Anything beyond
-// + - * / goes through M so the same text compiles for scalars and SIMD
-// vectors.
+// Element-wise activation math of In-Place ABN: forward f(z), inverse f^-1(y) and derivative f'(z) recovered
+// from the output (docs/DESIGN.md section 3). The single source of truth for these formulas, generic over a math
+// policy M supplying the arithmetic on M::T: ScalarMath<float|double> below (CUDA kernels) and VecMath<float|double>
+// over at::vec::Vectorized (CPU kernels, src/cpu/kernel_utils.h). Anything beyond + - * / goes through M, so the
+// same text compiles for scalars and SIMD vectors.
 #pragma once
 
 #include <cmath>
@@ -19,11 +14,8 @@
 #define IABN_HD inline
 #endif
 
-// GCC keeps the SiLU inverse out of line in the AVX2 kernels where it is
-// called from the 4-way unrolled planar reduction (a call per vector, the
-// vectors through memory); forced inline there: backward_reduce SiLU
-// 16x64x56x56 contiguous, 1 thread, 11.1 -> 8.6 ms (AVX512 inlines it anyway;
-// forcing it there cost 6% channels-last).
+// With AVX2, GCC calls the SiLU inverse out of line from the unrolled planar reduction (a call per vector, vectors
+// through memory): forced inline there (backward_reduce SiLU 11.1 -> 8.6 ms); AVX512 inlines it anyway.
 #if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
 #define IABN_SILU_INVERSE_INLINE __attribute__((always_inline))
 #else
@@ -53,14 +45,11 @@ IABN_HD double iabn_sqrt(double x) { return sqrt(x); }
 IABN_HD bool iabn_signbit(float x) { return copysignf(1.0f, x) < 0.0f; }
 IABN_HD bool iabn_signbit(double x) { return copysign(1.0, x) < 0.0; }
 
-// A math policy M provides: the value type T, the underlying real type Scalar
-// (float or double: it selects constants and iteration counts), c(v) for a
-// constant, the functions below, fma(a, b, c) = a * b + c, rcp(x) = 1 / x,
-// the selects if_nonneg / if_less / if_set / if_signbit, and any(flag): whether any lane
-// of a 0/1 flag is set (for a scalar: the flag itself), used to skip rarely
-// needed work. kSiluTable says whether it also provides silu_table(y, left, h)
-// (the AVX2/AVX512 float policy: the fitted SiLU inverse of section 3; it
-// returns the 0/1 flag of the lanes outside the fit).
+// A math policy M provides: the value type T, the real type Scalar (float or double: selects constants and
+// iteration counts), c(v) for a constant, the functions below, fma(a, b, c) = a * b + c, rcp(x) = 1 / x, the
+// selects if_nonneg / if_less / if_set / if_signbit, and any(flag): whether any lane of a 0/1 flag is set (for a
+// scalar: the flag itself), to skip rarely needed work. kSiluTable: whether it provides silu_table(y, left, h)
+// (AVX2/AVX512 float: the fitted SiLU inverse of section 3), which returns the 0/1 flag of the lanes outside the fit.
 template <typename S>
 struct ScalarMath {
   using T = S;
@@ -69,15 +58,14 @@ struct ScalarMath {
   static IABN_HD T c(double v) { return static_cast<T>(v); }
   static IABN_HD T fma(T a, T b, T c) { return a * b + c; }
   static IABN_HD T exp(T x) { return iabn_exp(x); }
-  // e^x for x <= 87 only; below the underflow threshold it may return the
-  // smallest normal number instead of 0 (a vector policy skips saturation)
+  // e^x for x <= 87 only; below the underflow threshold it may return the smallest normal number instead of 0
+  // (a vector policy skips saturation)
   static IABN_HD T exp_capped(T x) { return iabn_exp(x); }
   static IABN_HD T expm1(T x) { return iabn_expm1(x); }
   static IABN_HD T log(T x) { return iabn_log(x); }
   static IABN_HD T log1p(T x) { return iabn_log1p(x); }
   static IABN_HD T sqrt(T x) { return iabn_sqrt(x); }
-  // 1 / x, to within about an ulp (a vector policy may use a hardware
-  // reciprocal estimate refined by a Newton step instead of a division)
+  // 1 / x, to within about an ulp (a vector policy may refine a hardware estimate by a Newton step)
   static IABN_HD T rcp(T x) { return T(1) / x; }
   static IABN_HD T max(T a, T b) { return a > b ? a : b; }
   static IABN_HD T min(T a, T b) { return a < b ? a : b; }
@@ -98,15 +86,12 @@ struct IsSingle {
   static constexpr bool value = sizeof(typename M::Scalar) <= sizeof(float);
 };
 
-// One struct per activation, specialised below:
-//   forward(z, p)            -> y = f(z)
-//   inverse_deriv(y, left, p, d) -> z = f^-1(y), and d = f'(z) (one call for
-//                               the backward kernels, sharing the work);
-//                               `left` is the SiLU branch flag: 0, or set
-//                               (1, or all bits set where a vector
-//                               policy says so: only selects read it)
+// One struct per activation, specialised below; `p` is the activation parameter (slope, alpha; unused otherwise):
+//   forward(z, p) -> y = f(z)
+//   inverse_deriv(y, left, p, d) -> z = f^-1(y), and d = f'(z) (one call for the backward kernels, sharing the
+//     work); `left` is the SiLU branch flag: 0, or set (1, or all bits set where a vector policy says so: only
+//     selects read it)
 //   inverse(y, left, p), deriv(y, z, p): the two parts, where they are separate
-// `p` is the activation parameter (slope, alpha; unused otherwise).
 template <Act A, class M>
 struct Activation;
 
@@ -122,10 +107,9 @@ struct Activation<Act::Identity, M> {
   }
 };
 
-// The inverses read the branch from the sign bit of y, not from y >= 0: a
-// small negative z whose f(z) underflows (float16 output, s z or a (e^z - 1)
-// below the smallest subnormal) still stores -0 and keeps its branch. The
-// derivatives take the left one at z = 0 (y = +0 or -0), as torch's backward does.
+// The inverses read the branch from the sign bit of y, not from y >= 0: a small negative z whose f(z) underflows
+// (float16 output, s z or a (e^z - 1) below the smallest subnormal) stores -0 and keeps its branch. The derivatives
+// take the left one at z = 0 (y = +0 or -0), as torch's backward does.
 template <class M>
 struct Activation<Act::LeakyRelu, M> {
   using T = typename M::T;
@@ -141,15 +125,13 @@ struct Activation<Act::LeakyRelu, M> {
 template <class M>
 struct Activation<Act::Elu, M> {
   using T = typename M::T;
-  // expm1(z) is kept one ulp above -1, so a float32 or float64 output stays
-  // above -a and only a half-precision store can round y onto or past -a.
+  // expm1(z) is kept one ulp above -1, so only a half-precision store can round y onto or past -a.
   static IABN_HD T forward(T z, T a) {
     return M::if_nonneg(z, z, a * M::max(M::expm1(M::min(z, M::c(0.0))), M::c(kMinExpm1())));
   }
-  // A y below the forward's least output a * kMinExpm1 (y <= -a) has no
-  // preimage: its z lies below the store's saturation point (e^z < 2^-9 in
-  // bfloat16, 2^-12 in float16), which this code cannot see, so such a y is
-  // read as e^z = 2^-11 (docs/DESIGN.md section 5). NaN passes through.
+  // A y below the forward's least output a * kMinExpm1 (y <= -a) has no preimage: its z lies below the store's
+  // saturation point (e^z < 2^-9 in bfloat16, 2^-12 in float16), which this code cannot see, so such a y is read
+  // as e^z = 2^-11 (docs/DESIGN.md section 3). NaN passes through.
   static IABN_HD T unsaturate(T y, T a) {
     return M::if_less(y, a * M::c(kMinExpm1()), a * M::c(0.00048828125 - 1.0), y);
   }
@@ -163,41 +145,27 @@ struct Activation<Act::Elu, M> {
   static IABN_HD double kMinExpm1() { return IsSingle<M>::value ? -1.0 + 5.9604644775390625e-08 : -1.0 + 1.1102230246251565e-16; }
 };
 
-// SiLU f(z) = z * sigmoid(z). Not monotone: the forward records the branch
-// bit left = [z < z*] and the inverse solves on that branch.
-//
-// Inverse: an initial guess good to ~1e-4 absolute, then Halley steps on
-// g(z) = f(z) - y (1 in single precision, 2 in double): the error after one
-// step is ~ (guess error)^3, so this reaches the accuracy that the
-// conditioning of the problem allows (measured over z in [-87, 1000] float,
-// [-700, 1000] double, dense in [-40, 30] and near z*: error within 1.03x of
-// eps |y| / |f'(z)| + ulp(z); <= 3.2 ulp for |z - z*| > 0.5; relative error
-// <= 1.8e-13 in double for |z - z*| > 1e-3).
+// SiLU f(z) = z * sigmoid(z). Not monotone: the forward records the branch bit left = [z < z*] and the inverse
+// solves on that branch (docs/DESIGN.md section 3).
+// Inverse: a guess good to ~1e-4 absolute, then Halley steps on g(z) = f(z) - y (1 in single precision, 2 in
+// double): the error after one step is ~ (guess error)^3, so this reaches the accuracy the conditioning allows.
+// Measured over z in [-87, 1000] float, [-700, 1000] double, dense in [-40, 30] and near z*: error within 1.03x of
+// eps |y| / |f'(z)| + ulp(z); <= 3.2 ulp for |z - z*| > 0.5; relative <= 1.8e-13 in double for |z - z*| > 1e-3.
 // The guess, with d = sqrt(y - y*):
-//  - right branch, y <= 8: z = z* + d P_R(d) (degree 8); y > 8: z = y
-//    (z - y = y e^-z < 3e-3 there);
-//  - left branch, y <= -0.1: z = z* + d P_L(d) (degree 8); the fits are of
-//    (z - z*) / d, so the guess is exact at z* itself, where Halley's step
-//    degenerates;
-//  - left tail, y > -0.1: with v = -log(-y) (z + log(-z) - log1p(e^z) = -v
-//    exactly), -z = v + P_M(v) for v <= 7 (z >~ -9.3), else -z = v + P_T(l),
-//    l = log v; computed only when some lane needs them (M::any).
-// Halley's step is scale-invariant, so it is taken on g / sigmoid(z), whose
-// terms stay O(1) where f underflows (z -> -inf):
-//   G = z - y (1 + e^-z), G' = 1 + z (1 - s), G'' = (1 - s)(2 + z (1 - 2s)).
-// Within d_skip of y* the guess is kept as it is (see inverse_deriv); before
-// another step and at the end, iterates are clamped above zmin so that e^-z stays finite.
-// f'(z) for the backward reuses the last step's f'/s and f''/s:
-// f'(z - dz) = f'(z) - f''(z) dz (error ~ dz^2, below the rounding error once
-// the iteration has converged).
-// Near z* the inverse is ill-conditioned (error ~ sqrt(2 delta / curv)) but
-// f'(z) ~ 0 damps the gradient there (docs/DESIGN.md section 3).
-// A policy with kSiluTable (the AVX2/AVX512 float kernels) instead evaluates a
-// piecewise fit of h = 1 + e^-z = y / z in d (src/cpu/silu_table.h) for
-// y <= 8 (right) and y <= -0.1 (left): z = y h, f'(z) = (h + z (h - 1)) / h^2;
-// 1.7x (AVX512) and 1.4x (AVX2) the throughput of the guess + Halley step, for
-// an error within 5.1x eps |y| / |f'(z)| + ulp(z) (section 3). Other lanes take
-// the Halley path.
+//  - right branch, y <= 8: z = z* + d P_R(d) (degree 8); y > 8: z = y (z - y = y e^-z < 3e-3 there);
+//  - left branch, y <= -0.1: z = z* + d P_L(d) (degree 8); the fits are of (z - z*) / d, so the guess is exact at
+//    z* itself, where Halley's step degenerates;
+//  - left tail, y > -0.1: with v = -log(-y) (z + log(-z) - log1p(e^z) = -v exactly), -z = v + P_M(v) for v <= 7
+//    (z >~ -9.3), else -z = v + P_T(l), l = log v; computed only when some lane needs them (M::any).
+// Halley's step is scale-invariant, so it is taken on g / sigmoid(z), whose terms stay O(1) where f underflows
+// (z -> -inf): G = z - y (1 + e^-z), G' = 1 + z (1 - s), G'' = (1 - s)(2 + z (1 - 2s)).
+// Within d_skip of y* the guess is kept (see halley_inverse_deriv); before another step and at the end, iterates
+// are clamped above zmin so that e^-z stays finite. f'(z) for the backward reuses the last step's f'/s and f''/s:
+// f'(z - dz) = f'(z) - f''(z) dz (error ~ dz^2, below the rounding error once the iteration has converged).
+// Near z* the inverse is ill-conditioned (error ~ sqrt(2 delta / curv)) but f'(z) ~ 0 damps the gradient there.
+// A policy with kSiluTable (AVX2/AVX512 float) instead evaluates a piecewise fit of h = 1 + e^-z = y / z in d
+// (src/cpu/silu_table.h) for y <= 8 (right) and y <= -0.1 (left): z = y h, f'(z) = (h + z (h - 1)) / h^2; error
+// within 5.1x eps |y| / |f'(z)| + ulp(z), at up to 1.7x the Halley path's throughput. Other lanes take that path.
 template <class M>
 struct Activation<Act::Silu, M> {
   using T = typename M::T;
@@ -218,12 +186,9 @@ struct Activation<Act::Silu, M> {
   // Initial guess (see above); y >= y* already.
   static IABN_HD T guess(T y, T left, T& d) {
     d = M::sqrt(y - M::c(kSiluYStar));
-    // z* + d P(d) (degree 8 in d), P_R (right branch, d <= sqrt(8 - y*)) or
-    // P_L (left, d <= sqrt(-0.1 - y*)), coefficients c1..c8 of P selected per
-    // lane, evaluated by Estrin's scheme: the inverse is one long dependency
-    // chain per vector, of which Horner's 8 dependent fmas were a large link
-    // (AVX2 backward_reduce keeping z, SiLU 16x64x56x56, 1 thread: 7.2 -> 6.2 ms;
-    // ad-hoc timing, as benchmarks/bench_cpu_ops.py's "reduce keeping z" column)
+    // z* + d P(d) (degree 8 in d), P_R (right branch, d <= sqrt(8 - y*)) or P_L (left, d <= sqrt(-0.1 - y*)),
+    // coefficients c1..c8 of P selected per lane. Estrin's scheme: the inverse is one dependency chain per vector,
+    // and Horner's 8 dependent fmas were a large link of it (AVX2 SiLU reduce keeping z 7.2 -> 6.2 ms).
     T dd = M::min(d, pick(left, 2.8772320974785948, 0.4224506394374067));
     const T dd2 = dd * dd;
     const T q0 = M::fma(dd, pick(left, -2.0065284169598572, -2.1119491106932879),
@@ -305,10 +270,9 @@ struct Activation<Act::Silu, M> {
     T y = M::max(y_in, M::c(kSiluYStar));
     T d;
     T z = guess(y, left, d);
-    // Within d_skip of y* (|z - z*| < ~3 d_skip) the guess is already within
-    // the conditioning error (its error is ~3e-5 d) and rounding in g could
-    // make Halley's denominator vanish: no step there. Elsewhere the
-    // denominator is ~(z - z*)^2 > 0 and the step stays on its branch.
+    // Within d_skip of y* (|z - z*| < ~3 d_skip) the guess is already within the conditioning error (its error is
+    // ~3e-5 d) and rounding in g could make Halley's denominator vanish: no step there. Elsewhere the denominator
+    // is ~(z - z*)^2 > 0 and the step stays on its branch.
     const T d_skip = M::c(IsSingle<M>::value ? 1e-2 : 1e-7);
     T s = M::c(0.5), gp = M::c(0.0), gpp = M::c(0.0), dz = M::c(0.0);
     for (int i = 0; i < iters; ++i) {

@@ -1,12 +1,8 @@
-// Per-channel math of In-Place ABN (docs/DESIGN.md sections 1, 2 and 6): the
-// coefficient tables the element-wise kernels read, the running-statistics
-// update and the weight gradient of the abs mode, in float64.
-//
-// The single source of truth for these formulas, as activations.h is for the
-// element-wise ones: the CPU front ends evaluate them in a loop over the
-// channels (src/ops/common.h), the CUDA front ends in one small kernel
-// (src/cuda/channel_kernels.cu), so a layer costs no extra operator calls or
-// launches for its per-channel arithmetic.
+// Per-channel math of In-Place ABN in float64 (docs/DESIGN.md sections 1, 2 and 6): the coefficient tables the
+// element-wise kernels read, the running-statistics update and the abs mode's weight gradient. The single source of
+// truth for these formulas, as activations.h is for the element-wise ones: the CPU front ends evaluate them in a loop
+// over the channels (src/ops/common.h), the CUDA front ends in one small kernel (src/cuda/channel_kernels.cu), so a
+// layer costs no extra operator calls or launches for its per-channel arithmetic.
 #pragma once
 
 #include <type_traits>
@@ -15,18 +11,17 @@
 
 namespace inplace_abn {
 
-// Rows of the coefficient table (a contiguous (rows, C) tensor in the
-// accumulation dtype):
-// forward_: z = ((x - mean_hi) - mean_lo) scale + shift [+ residual], the mean
-// split into hi + lo so that x - mean keeps its accuracy when |mean| >> std.
+// Rows of the coefficient table (a contiguous (rows, C) tensor in the accumulation dtype):
+// forward_: z = ((x - mean_hi) - mean_lo) scale + shift [+ residual], the mean split into hi + lo so that x - mean
+// keeps its accuracy when |mean| >> std.
 enum ForwardRow : int { kFwdMeanHi, kFwdMeanLo, kFwdScale, kFwdShift, kFwdRows };
-// backward_reduce: zc = z - shift [- residual]; the kernel sums gz and gz zc,
-// and divides the second sum by the gain g~ (xhat = zc / g~).
+// backward_reduce: zc = z - shift [- residual]; the kernel sums gz and gz zc, and divides the second by the gain
+// g~ (xhat = zc / g~).
 enum ReduceRow : int { kRedShift, kRedGain, kRedRows };
 // backward_input: dx = a gz + b zc + c0 = g~ r (gz - mean_gz - xhat mean_gz_xhat).
 enum InputRow : int { kInShift, kInA, kInB, kInC0, kInRows };
-// gn_backward (GroupNorm, contiguous, CPU), one column per (n, c): the shift and
-// gain of ReduceRow and the (n, group)'s inverse std; the kernel derives InputRow.
+// gn_backward (GroupNorm, CPU), one column per (n, c): the shift and gain of ReduceRow and the
+// (n, group)'s inverse std; the kernel derives InputRow.
 enum GnRow : int { kGnShift, kGnGain, kGnRstd, kGnRows };
 
 // Which table, and its inputs v[k] in order (a missing tensor reads as its fill):
@@ -67,8 +62,8 @@ IABN_HD double gain(double w, const TableSpec& s) {
 
 IABN_HD double inv_std(double var, double eps) { return 1.0 / iabn_sqrt(var + eps); }
 
-// GroupNorm's (a, b, c0) of InputRow from its (n, group) means of g~ gz and of
-// g~ gz xhat, for channel gain g and inverse std r (zc = g~ xhat, hence the / g).
+// GroupNorm's (a, b, c0) of InputRow from its (n, group) means of g~ gz and of g~ gz xhat, for channel gain g and
+// inverse std r (zc = g~ xhat, hence the / g).
 IABN_HD void gn_input_row(double g, double r, double mean_ggz_xhat, double mean_ggz, double* row) {
   row[0] = g * r;
   row[1] = -r * mean_ggz_xhat / g;
@@ -115,13 +110,11 @@ inline void dispatch_table(Table t, F&& f) {
   }
 }
 
-// torch.nn.BatchNorm's running statistic r <- (1 - m) r + m s factor (factor:
-// 1 for the mean, n / (n - 1) for the variance).
+// torch.nn.BatchNorm's running statistic r <- (1 - m) r + m s factor (1 for the mean, n / (n - 1) for the variance).
 IABN_HD double running_update(double r, double s, double factor, double m) { return (1.0 - m) * r + m * (s * factor); }
 
-// The abs mode's weight gradient: d|gamma|/dgamma = sign(gamma), so
-// s sign(w) (exact: s, -s or 0; NaN for a NaN weight, as at::sign). w is the
-// weight as the sums' dtype holds it.
+// The abs mode's weight gradient: d|gamma|/dgamma = sign(gamma), so s sign(w) (exact: s, -s or 0; NaN for a NaN
+// weight, as at::sign). w is the weight as the sums' dtype holds it.
 IABN_HD double abs_weight_grad(double s, double w) {
   const double sign = w > 0 ? 1.0 : w < 0 ? -1.0 : w == 0 ? 0.0 : w;
   return s * sign;

@@ -1,8 +1,6 @@
-// batch_stats on the CPU: sums of d = x - K_c and d^2, K_c = the channel's
-// first element (a sample value, so |sum d| / n is of the order of the
-// standard deviation and the variance does not cancel); d in the compute type
-// (exact when |x - K| <= |K|, the hostile case |mean| >> std), pairs of d and
-// d^2 in the compute type, sums in double.
+// batch_stats on the CPU: sums of d = x - K_c and d^2, K_c = the channel's first element (a sample value, so
+// |sum d| / n is of the order of the standard deviation and the variance does not cancel); d in the compute type
+// (exact when |x - K| <= |K|, the hostile case |mean| >> std), pairs of d and d^2 in the compute type, sums in double.
 #include "cpu/kernel_utils.h"
 
 namespace inplace_abn {

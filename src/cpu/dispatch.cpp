@@ -1,8 +1,7 @@
-// The stubs' run-time choice of kernel: on the CPU the best instruction set
-// compiled into this build (src/cpu/<op>_kernel.cpp is built once per ISA,
-// see setup.py) that both PyTorch (ATEN_CPU_CAPABILITY overrides it, as for
-// PyTorch's own kernels) and this CPU allow; on CUDA the registered kernel
-// (and the per-channel kernels of ChannelStub).
+// The stubs' run-time choice of kernel: on the CPU the best instruction set compiled into this build
+// (src/cpu/<op>_kernel.cpp is built once per ISA, see setup.py) that both PyTorch (ATEN_CPU_CAPABILITY overrides
+// it, as for PyTorch's own kernels) and this CPU allow; on CUDA the registered kernel (and the per-channel kernels
+// of ChannelStub).
 #include <ATen/Version.h>
 #include <c10/util/Exception.h>
 

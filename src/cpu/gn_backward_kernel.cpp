@@ -1,9 +1,8 @@
-// gn_backward on the CPU (GroupNorm): the backward of one block at a time, in
-// one pass over memory: a (sample, group) of a contiguous y, a sample of a
-// channels-last one. zc = z - shift [- residual] and gz = dy f'(z) of the block
-// go to a per-thread buffer (blocks are L2-sized: gn_backward_fits, src/ops/gn_backward.cpp), its
-// per-channel sums give the group means, and dx = a gz + b zc + c0 is computed
-// from the buffer: the activation is inverted once, and y and dy are read once.
+// gn_backward on the CPU (GroupNorm): the backward of one block at a time, in one pass over memory: a (sample, group)
+// of a contiguous y, a sample of a channels-last one. zc = z - shift [- residual] and gz = dy f'(z) of the block go
+// to a per-thread buffer (blocks are L2-sized: gn_backward_fits, src/ops/gn_backward.cpp), its per-channel sums give
+// the group means, and dx = a gz + b zc + c0 is computed from the buffer: the activation is inverted once, and y and
+// dy come from memory once (identity and leaky_relu read them again from the cache, see kBuffer).
 #include "cpu/kernel_utils.h"
 
 namespace inplace_abn {
@@ -36,9 +35,8 @@ struct GzZc {
   }
 };
 
-// SiLU's and ELU's inverses cost more than a store and a load of zc and gz: these
-// are kept in the buffer; identity and leaky_relu recompute them from y and dy,
-// which the first pass left in the cache.
+// SiLU's and ELU's inverses cost more than a store and a load of zc and gz: these are kept in the buffer; identity
+// and leaky_relu recompute them from y and dy, which the first pass left in the cache.
 template <Act A>
 constexpr bool kBuffer = A == Act::Silu || A == Act::Elu;
 
@@ -167,9 +165,8 @@ void gn_backward_planes(const KernelArgs& a) {
   ga.finish(a);
 }
 
-// Channels-last (N, P, C): a block is one sample, P rows of C channels, its
-// groups interleaved in every row; per-channel sums in the compute type over
-// kRows rows, then in double (as reduce2's rows). The SiLU mask is the
+// Channels-last (N, P, C): a block is one sample, P rows of C channels, its groups interleaved in every row;
+// per-channel sums in the compute type over kRows rows, then in double (as reduce2's rows). The SiLU mask is the
 // samples' masks, each padded to whole 32-bit words (Groups).
 template <typename S, Act A, bool RES>
 void gn_backward_rows(const KernelArgs& a) {

@@ -1,29 +1,19 @@
-// Shared code of the CPU kernels (src/cpu/<op>_kernel.cpp), written on
-// at::vec::Vectorized and at::parallel_for. Every kernel file is compiled once
-// per instruction set with that ISA's flags and CPU_CAPABILITY (setup.py), so
-// everything here lives in namespace inplace_abn::cpu::CPU_CAPABILITY, inside
-// an unnamed namespace: the per-ISA copies never collide at link time.
+// Shared code of the CPU kernels (src/cpu/<op>_kernel.cpp) on at::vec::Vectorized and at::parallel_for. Each kernel
+// file is compiled once per ISA with its flags and CPU_CAPABILITY (setup.py): everything here lives in namespace
+// inplace_abn::cpu::CPU_CAPABILITY, in an unnamed namespace, so the per-ISA copies never collide at link time.
+// The element-wise math is activations.h's, instantiated with the vector policy VecMath below.
 //
-// The element-wise math comes from activations.h, instantiated with the
-// vector policy VecMath below.
+// Memory is walked in its own order (see Walk) as segments that each keep their channel pattern:
+//  - planar (contiguous N, C, S): a segment is (part of) one (n, c) plane; coefficients are broadcast scalars;
+//  - rows (channels-last and (N, C); contiguous with small planes): a segment is (part of) a "super-row" of R = k C
+//    inner elements (k rows of the channel pattern, R >= 256 so short rows still fill vectors); coefficients are
+//    arrays over the super-row, loaded at the segment offset.
+// Within a segment: full vectors, then one partial vector (masked load / store). Every element goes through the same
+// vector code, so results do not depend on where segment or thread boundaries fall.
 //
-// Memory is walked in its own order (see Walk) as a sequence of segments that
-// each keep their channel pattern:
-//  - planar (contiguous N, C, S): a segment is (part of) one (n, c) plane, the
-//    channel coefficients are broadcast scalars;
-//  - rows (channels-last and (N, C); contiguous with small planes): a segment
-//    is (part of) a "super-row" of R = k C inner elements (k rows of the
-//    channel pattern, R >= 256 so short rows still fill vectors), the
-//    coefficients are arrays over the super-row, loaded at the segment offset.
-// Within a segment: full vectors, then one partial vector (masked load /
-// store). Every element goes through the same vector code, so results do not
-// depend on where segment or thread boundaries fall.
-//
-// Reductions use a partition that depends on the shape only (planes or plane
-// parts; blocks of super-rows), with one partial result per unit written to
-// its own slot and combined in a fixed order: results are bitwise
-// reproducible for any thread count. Sums accumulate in double (in planes,
-// groups of four vectors are added in the compute type first, see reduce2).
+// Reductions use a partition that depends on the shape only (planes or plane parts; blocks of super-rows), one
+// partial result per unit in its own slot, combined in a fixed order: bitwise reproducible for any thread count. Sums
+// accumulate in double (in planes, groups of four vectors are first added in the compute type, see reduce2).
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -61,10 +51,8 @@ using IntOf = std::conditional_t<sizeof(F) == 4, int32_t, int64_t>;
 
 inline uint32_t low_bits(int cnt) { return static_cast<uint32_t>((uint64_t(1) << cnt) - 1); }
 
-// Comparisons and selects. AVX512 uses mask registers: at::vec's AVX512
-// compares return vectors that blendv compares again, which made SiLU
-// backward_reduce 34% and leaky_relu forward_ 27% slower (16x64x56x56 float,
-// 1 thread: 6.28 vs 4.69 ms, 0.85 vs 0.67 ms; bench_cpu_ops.py measures these).
+// Comparisons and selects. AVX512 uses mask registers: at::vec's AVX512 compares return vectors that blendv compares
+// again (SiLU backward_reduce 34% slower, 16x64x56x56 float, 1 thread).
 enum class Cmp { Lt, Ge, Ne };  // ordered <, ordered >=, unordered !=
 
 template <Cmp P, typename F>
@@ -87,7 +75,7 @@ inline Vectorized<F> sel(const Vectorized<F>& v, const Vectorized<F>& w, const V
 #endif
 }
 
-// Bit i set where lane i of v is < w.
+// Bit i set where lane i of v is < w; AVX512 float takes the compare's mask register as it is (see Cmp: 34%).
 template <typename F>
 inline uint32_t lt_bits(const Vectorized<F>& v, const Vectorized<F>& w) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -96,10 +84,8 @@ inline uint32_t lt_bits(const Vectorized<F>& v, const Vectorized<F>& w) {
   return ~static_cast<uint32_t>((v < w).zero_mask()) & low_bits(Vectorized<F>::size());
 }
 
-// A branch flag per lane from bit i (activations.h): 0 where clear; set lanes
-// are 1 on AVX512 and all bits set elsewhere, which selects and silu_table take
-// as they are. Against 0/1 lanes (a conversion, and a compare per use): SiLU
-// backward_reduce 16x64x56x56, AVX2, 1 thread, 4.13-4.20 -> 3.87-3.98 ms (ad-hoc timing).
+// A branch flag per lane from bit i (activations.h): 0 where clear; set lanes are 1 on AVX512 and all bits set
+// elsewhere, as selects and silu_table take them (rather than 0/1 lanes: SiLU backward_reduce 4.13 -> 3.87 ms).
 template <typename F>
 inline Vectorized<F> from_bits(uint32_t bits) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -112,7 +98,7 @@ inline Vectorized<F> from_bits(uint32_t bits) {
   return at::vec::cast<F>((VI(static_cast<IntOf<F>>(bits)) & lane) == lane);
 }
 
-// sign bit of v set ? a : b
+// sign bit of v set ? a : b (-0 and negative NaNs give a); AVX512 float: the sign bits as a mask (see Cmp: 34%)
 template <typename F>
 inline Vectorized<F> select_signbit(const Vectorized<F>& v, const Vectorized<F>& a, const Vectorized<F>& b) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -135,9 +121,8 @@ inline Vectorized<F> vmin(const Vectorized<F>& a, const Vectorized<F>& b) {
   return at::vec::clamp_max(a, b);
 }
 
-// x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite), and e^r = 1 + r + r^2 P(r) with
-// Cephes' expf polynomial P evaluated by Estrin's scheme (the SiLU inverse is
-// one dependency chain per vector): e^x = 2^n fma(P, r^2, r + 1).
+// x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite), e^r = 1 + r + r^2 P(r) with Cephes' expf polynomial P by Estrin's
+// scheme (the SiLU inverse is one dependency chain per vector): e^x = 2^n fma(P, r^2, r + 1).
 struct ExpParts {
   Vectorized<float> n, r, r2, P;
   explicit ExpParts(const Vectorized<float>& x) {
@@ -159,21 +144,16 @@ inline Vectorized<float> pow2(const Vectorized<float>& n) {
   return at::vec::cast<float>((at::vec::convert_to_int_of_same_size(n) + VI(127)) << VI(23));
 }
 
-// e^x, float: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and
-// Cephes' expf polynomial (about 1 ulp), evaluated by Estrin's scheme; at::vec's
-// exp calls Sleef, which costs more than the whole computation here. 2^n is
-// built from its exponent bits: n stays in [-126, 127] (e^x capped at e^88.03
-// below the overflow threshold 88.72, inf above it; 0 below -87.34).
-// kSat = false (exp_capped): x <= 87 only, and 2^-126 e^r instead of 0 below
-// -87.34: the SiLU inverse's e^-z, z >= zmin, where the two saturating selects
-// cost 5% of the AVX2 inverse (ad-hoc timing of the float inverse alone, 1 thread).
+// e^x, float, from ExpParts (about 1 ulp; at::vec's exp calls Sleef, which costs more than all of this). n stays in
+// [-126, 127]: e^x capped at e^88.03 below the overflow threshold 88.72, inf above it; 0 below -87.34. kSat = false
+// (exp_capped): x <= 87 only, 2^-126 e^r instead of 0 below -87.34, for the SiLU inverse's e^-z, z >= zmin, where
+// the two saturating selects cost 5% of the AVX2 inverse.
 template <bool kSat = true>
 inline Vectorized<float> vexp(const Vectorized<float>& x) {
   using V = Vectorized<float>;
 #if defined(CPU_CAPABILITY_AVX512)
-  // AVX512: p 2^n by vscalefps, which saturates to 0 / inf itself; the clamp
-  // keeps r accurate (beyond |x| ~ 1e4, n ln2 is no longer exact and p blew
-  // up: e^-1e30 gave inf, then NaN through scalef).
+  // AVX512: p 2^n by vscalefps, which saturates to 0 / inf itself; the clamp keeps r accurate (beyond |x| ~ 1e4,
+  // n ln2 is no longer exact: e^-1e30 gave inf, then NaN through scalef).
   const V lo = vmax(x, V(-110.f));  // keeps NaN
   const V xv = kSat ? vmin(lo, V(89.f)) : lo;
 #else
@@ -193,12 +173,9 @@ inline Vectorized<float> vexp(const Vectorized<float>& x) {
 template <bool kSat = true>
 inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 
-// e^x - 1, float: with x = n ln2 + r, 2^n (e^r - 1) + (2^n - 1) in one fma
-// (2^n - 1 exact): 1.6 ulp at most over [-30, 88] (the Kahan form: 2.8);
-// x is clamped to [-20, 88.03] (e^x - 1 is -1 in float below -17.4; n <= 127
-// above, capped as in vexp), inf beyond the overflow threshold.
-// The Kahan form of VecMath::expm1 costs an exp, a log and a division: ELU
-// forward_ 4096x512, AVX2, 1 thread, 3.51 -> 1.05 ms (ad-hoc timing of the operator).
+// e^x - 1, float: 2^n (e^r - 1) + (2^n - 1) in one fma (2^n - 1 exact): 1.6 ulp at most over [-30, 88] (the Kahan
+// form: 2.8). x is clamped to [-20, 88.03] (e^x - 1 is -1 in float below -17.4; n <= 127 above, capped as in vexp),
+// inf beyond the overflow threshold. ELU forward_ 1.05 ms against 3.51 with the Kahan form (an exp, a log, a division).
 inline Vectorized<float> vexpm1(const Vectorized<float>& x) {
   using V = Vectorized<float>;
   const V xv = vmin(vmax(x, V(-20.f)), V(88.02969193f));  // keeps NaN
@@ -208,12 +185,9 @@ inline Vectorized<float> vexpm1(const Vectorized<float>& x) {
   return sel<Cmp::Lt>(V(88.7228391f), x, V(INFINITY), at::vec::fmadd(t, em1, t - V(1.f)));
 }
 
-// log(x), x > 0 normal, float: x = m 2^e, m in [sqrt(1/2), sqrt(2)), and
-// Cephes' logf polynomial for log(m) = log1p(m - 1) (about 1 ulp).
-// kP1: log1p(t) for x = 1 + t (rounded): where e = 0 the polynomial takes t
-// itself, so that no bits of a small t are lost; elsewhere the rounding of
-// 1 + t costs at most ~1.5 ulp. The Kahan form log(u) t / (u - 1) costs a
-// division more: ELU backward_reduce 4096x512, AVX2, 1 thread, 2.01 -> 1.72 ms.
+// log(x), x > 0 normal, float: x = m 2^e, m in [sqrt(1/2), sqrt(2)), Cephes' logf polynomial for log1p(m - 1) (about
+// 1 ulp). kP1: log1p(t) for x = 1 + t (rounded): where e = 0 the polynomial takes t itself (no bits of a small t lost),
+// elsewhere rounding 1 + t costs <= ~1.5 ulp. ELU backward_reduce 1.72 ms against 2.01 with log(u) t / (u - 1).
 template <bool kP1 = false>
 inline Vectorized<float> vlog(const Vectorized<float>& x, const Vectorized<float>& t = {}) {
   using V = Vectorized<float>;
@@ -254,9 +228,8 @@ struct VecMath {
   static T exp_capped(const T& x) { return vexp<false>(x); }
   static T log(const T& x) { return vlog(x); }
   static T sqrt(const T& x) { return x.sqrt(); }
-  // AVX512 float: 14-bit estimate + one Newton step (error ~2^-28) instead of
-  // vdivps (on AVX2, rcp_ps + two steps made the SiLU kernels 25% slower than
-  // vdivps). The step computes inf * 0 = NaN at x = inf: the estimate (0) is kept there.
+  // AVX512 float: 14-bit estimate + one Newton step (error ~2^-28) instead of vdivps (AVX2 rcp_ps + two steps: SiLU
+  // kernels 25% slower than vdivps). At x = inf the step gives inf * 0 = NaN: the estimate (0) is kept there.
   static T rcp(const T& x) {
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (std::is_same_v<F, float>) {
@@ -267,9 +240,8 @@ struct VecMath {
 #endif
     return T(F(1)) / x;
   }
-  // at::vec's expm1 / log1p call Sleef versions that are very slow in
-  // libtorch builds. float: vexpm1 and vlog<true> above; double: Kahan's
-  // compensated forms, accurate to a few ulp:
+  // at::vec's expm1 / log1p call Sleef versions that are very slow in libtorch builds. float: vexpm1 and vlog<true>
+  // above; double: Kahan's compensated forms, accurate to a few ulp:
   //   expm1(x) = (u - 1) x / log(u), u = e^x;  log1p(x) = log(u) x / (u - 1), u = 1 + x
   static T expm1(const T& x) {
     if constexpr (std::is_same_v<F, float>) return vexpm1(x);
@@ -296,14 +268,9 @@ struct VecMath {
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   static constexpr bool kSiluTable = std::is_same_v<F, float>;
-  // h = y / z from the fit of src/cpu/silu_table.h, for y >= y* on the branch
-  // `left` (a flag, see from_bits); returns a flag set where y is outside the
-  // fitted range (AVX2: the compare's all-ones lanes, used as they are).
-  // A lane's coefficients are picked by one register permute (vpermps) from a
-  // table of both branches' segments, sized for it: at::vec::gather
-  // (vgatherdps) made the inverse 4.5x slower than the Halley step, and AVX2
-  // with the AVX512 table (two vpermps and a blend) 1.29 against 1.13 ns per
-  // element (ad-hoc harness timing, 1 thread).
+  // h = y / z from the fit of src/cpu/silu_table.h, for y >= y* on the branch `left` (a flag, see from_bits); returns
+  // a flag set where y is outside the fitted range (AVX2: the compare's all-ones lanes). Coefficients come from one
+  // register permute (vpermps) of a table sized for it: at::vec::gather made the inverse 4.5x slower than Halley's.
   static T silu_table(const T& y, const T& left, T& h) {
 #if defined(CPU_CAPABILITY_AVX512)
     using Tab = silu_table::Avx512;
@@ -350,8 +317,7 @@ struct VecMath {
 #endif
   }
 #else
-  // at::vec has no register permute; its gather was 4.5x slower than the
-  // Halley step where measured (AVX2, AVX512)
+  // at::vec has no register permute; its gather was 4.5x slower than the Halley step where measured (AVX2, AVX512)
   static constexpr bool kSiluTable = false;
 #endif
 };
@@ -364,9 +330,8 @@ struct Walk {
 };
 
 // ---------------------------------------------------------------------------
-// Loads and stores of W = Vectorized<F>::size() elements of the storage type,
-// converted to / from the compute type F. Partial variants touch n < W
-// elements only; the other lanes load as zero. ld / st: full when FULL.
+// Loads and stores of W = Vectorized<F>::size() elements of the storage type, converted to / from the compute type F.
+// Partial variants touch n < W elements only; the other lanes load as zero. ld / st: full when FULL.
 template <typename S, class Base>
 struct IOFull : Base {
   using V = typename Base::V;
@@ -405,10 +370,8 @@ struct IOReduced {
     std::memcpy(buf, p, n * sizeof(H));
     return load(buf);
   }
-  // A full vector: one float vector converted to W halves and stored whole, with
-  // at::vec's own rounding (bitwise the same as convert_from_float). The generic
-  // path converts two vectors and stores W of 2W lanes through a stack buffer and
-  // memcpy: bfloat16 forward_ SiLU 16x64x56x56 took 5x float32's time with it.
+  // A full vector: converted to W halves and stored whole, with at::vec's rounding (bitwise as convert_from_float);
+  // the generic path (two vectors, a stack buffer) made bfloat16 forward_ SiLU take 5x float32's time.
   static void store(H* p, const V& v) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
     // W halves in one __m128i (AVX2) or __m256i (AVX512); the memcpy is one unaligned store
@@ -427,11 +390,8 @@ using IO = IOFull<S, std::conditional_t<sizeof(S) == 2, IOReduced<S>, IOPlain<S>
 // ---------------------------------------------------------------------------
 // Walking memory by segments (see the top of the file).
 
-// Length of the super-row: k whole rows of P = C S, at least kMinRow elements,
-// but no more rows than the tensor has: the coefficient expansions and the
-// reductions' accumulators and folds cost R per call whatever the tensor's size
-// (2x64, with the channels-last fold below: the four operators 256k -> 204k
-// instructions, callgrind, AVX2).
+// Length of the super-row: k whole rows of P = C S, at least kMinRow elements, but no more rows than the tensor has:
+// expansions, accumulators and folds cost R per call whatever the size (2x64: 256k -> 204k instructions, AVX2).
 constexpr int64_t kMinRow = 256;
 inline int64_t super_row(const Walk& g) {
   const int64_t P = g.C * g.inner;
@@ -439,8 +399,7 @@ inline int64_t super_row(const Walk& g) {
   return P * std::min(rows, std::max<int64_t>(1, (kMinRow + P - 1) / P));
 }
 
-// Calls fn(e, n, key) for consecutive segments covering [e0, e1); key is the
-// channel (planar) or the offset in the super-row (rows).
+// Calls fn(e, n, key) for consecutive segments covering [e0, e1); key: the channel (planar) or super-row offset (rows).
 template <class Fn>
 inline void walk(const Walk& g, int64_t R, int64_t e0, int64_t e1, const Fn& fn) {
   if (!g.rows) {
@@ -465,9 +424,8 @@ inline void walk(const Walk& g, int64_t R, int64_t e0, int64_t e1, const Fn& fn)
   }
 }
 
-// A per-channel vector spread over the super-row into out[0, R) (position r
-// holds channel (r / S) % C), followed by one vector of zeros so that a
-// partial vector at the end of a segment can be loaded whole.
+// A per-channel vector spread over the super-row into out[0, R) (position r holds channel (r / S) % C), followed
+// by one vector of zeros so that a partial vector at the end of a segment can be loaded whole.
 template <typename F>
 void expand(const F* src, const Walk& g, int64_t R, F* out) {
   F* o = out;
@@ -477,8 +435,7 @@ void expand(const F* src, const Walk& g, int64_t R, F* out) {
   std::fill(o, o + Vectorized<F>::size(), F(0));
 }
 
-// Per-channel coefficient source for one segment: broadcast scalars (planar)
-// or arrays read at the segment offset (rows).
+// Per-channel coefficient source of one segment: broadcast scalars (planar) or arrays at the segment offset (rows).
 template <typename F, int K, bool ROWS>
 struct Coef {
   using V = Vectorized<F>;
@@ -500,8 +457,7 @@ struct Coef {
   }
 };
 
-// Runs body(co) with the coefficients of the segment at `key` set up from
-// the per-channel arrays src[k] (planar) or their expansions exp[k] (rows).
+// Runs body(co) with the coefficients of the segment at `key`, from src[k] (planar) or their expansions exp[k] (rows).
 template <typename F, int K, class Body>
 inline void with_coef(bool rows, int64_t key, const F* const* src, const F* const* exp, const Body& body) {
   if (rows) {
@@ -515,8 +471,7 @@ inline void with_coef(bool rows, int64_t key, const F* const* src, const F* cons
   }
 }
 
-// Runs step(j, cnt, full) over a segment of n elements: full vectors, then
-// one partial vector.
+// Runs step(j, cnt, full) over a segment of n elements: full vectors, then one partial vector.
 template <int W, class Step>
 inline void for_vectors(int64_t n, const Step& step) {
   int64_t j = 0;
@@ -530,10 +485,8 @@ inline const F* coef_row(const KernelArgs& a, int k) {
   return a.coef.const_data_ptr<F>() + k * a.g.C;
 }
 
-// K per-channel arrays (src) and, for rows, their expansions over the
-// super-row of length R (exp), in one allocation without a zero pass: small
-// layers build several per step, and with one zeroed vector each, malloc and
-// memset took twice stock's share of a 2x32x7x7 step (perf).
+// K per-channel arrays (src) and, for rows, their expansions over the super-row of length R (exp), in one allocation
+// without a zero pass (malloc and a zeroed vector each took twice stock's share of a 2x32x7x7 step).
 template <typename F, int K>
 struct CoefRows {
   const F* src[K];
@@ -563,9 +516,8 @@ inline void for_each_vector(const Walk& g, const CoefRows<F, K>& cr, int64_t e0,
   constexpr int W = Vectorized<F>::size();
   walk(g, cr.R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
     with_coef<F, K>(g.rows, key, cr.src, cr.exp, [&](const auto& co) {
-      // A local copy of step (which captures by value): a vector store may alias
-      // any memory, so through a reference GCC reloaded every captured pointer
-      // per vector (two loads each; 16x512x7x7 channels-last forward_, AVX2).
+      // a local copy of step (which captures by value): through a reference, GCC reloaded every captured pointer
+      // per vector, as a vector store may alias any memory (two loads each; 16x512x7x7 channels-last forward_)
       const Step st = step;
       int64_t j = 0;  // (no lambda level more than needed: GCC stops inlining the SiLU body)
       for (; j + W <= n; j += W) st(e + j, j, W, std::true_type{}, co);
@@ -594,13 +546,9 @@ struct BitWriter {
   }
 };
 
-// Reads the packed mask of `words` words: cnt (<= 25) bits from element e, with
-// one unaligned 32-bit load at e's byte (bits 8b.. of a little-endian mask),
-// moved back near the end so as to stay inside the words: as e + cnt <= 32 words,
-// the bits then still lie in the loaded 32. Against two aligned words and a
-// 64-bit shift: SiLU backward_reduce keeping z, AVX2, 1 thread, 42.3M -> 41.4M
-// instructions per call at 16x64x56x56 channels-last, 5.50M -> 5.40M at
-// 16x512x7x7 channels-last (callgrind, the kernel alone).
+// Reads cnt (<= 25) bits from element e of a packed mask of `words` words, by one unaligned 32-bit load at e's byte b
+// (bits 8b.., little-endian), moved back near the end to stay inside the words (as e + cnt <= 32 words, the bits still
+// lie in the loaded 32). Two aligned words and a 64-bit shift: 42.3M against 41.4M instructions (SiLU backward_reduce).
 struct MaskBits {
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the mask is read as little-endian bytes");
   const unsigned char* p = nullptr;
@@ -620,14 +568,9 @@ inline MaskBits mask_bits(const at::Tensor& m, bool silu) {
 }
 
 
-// Software prefetch kPrefetch elements ahead in the reductions: their loops
-// carry enough work per vector (double accumulators) that the hardware
-// prefetchers alone leave DRAM bandwidth unused once the data leaves the cache.
-// Into all cache levels (prefetcht0), not non-temporal: prefetchnta bypassed the
-// caches on a Xeon (AVX512), so data that the previous operator had just left in
-// L2/L3 came from DRAM again: backward_reduce 16x64x56x56, 2 threads, 3.0-3.6 ms
-// against 0.71-0.99 (no prefetch: 0.69-0.98), batch_stats channels-last 1.5-1.8
-// against 0.56-0.66 (ad-hoc timing of the operators, kept data; 1.3-2.2x past the L3).
+// Software prefetch kPrefetch elements ahead in the reductions: with their work per vector (double accumulators) the
+// hardware prefetchers alone leave DRAM bandwidth unused beyond the cache. prefetcht0: prefetchnta bypassed the caches,
+// refetching from DRAM what the previous operator left in L2/L3 (backward_reduce: 3.0-3.6 against 0.71-0.99 ms).
 constexpr int64_t kPrefetch = 2048;
 template <typename S>
 inline void prefetch(const S* p) {
@@ -639,23 +582,17 @@ inline void prefetch(const S* p) {
 // Grain of the element-wise kernels, in elements.
 constexpr int64_t kGrain = 16384;
 
-// Work per element relative to a memory-bound kernel: an exp, log or the SiLU
-// inverse per element makes a layer of 10k elements worth two threads
-// (forward_ and the reductions divide their grain and unit sizes by it;
-// backward_input does not: GCC then compiled its from-z SiLU loop 20% slower,
-// 16x64x56x56 on AVX2, 1 thread, 1.85 -> 2.25 ms: an ad-hoc timing of the
-// operator alone, as benchmarks/bench_cpu_ops.py's "input from z" column).
+// Work per element relative to a memory-bound kernel: an exp, log or the SiLU inverse per element makes a layer of
+// 10k elements worth two threads. forward_ and the reductions divide their grain and unit sizes by it;
+// backward_input does not: GCC then compiled its from-z SiLU loop 20% slower.
 template <Act A>
 constexpr int64_t kCost = A == Act::Silu ? 4 : A == Act::Elu ? 2 : 1;
 
 // ---------------------------------------------------------------------------
-// Reductions: per channel, sum u and sum u v for per-element (u, v) in double.
-// A unit of work is
+// Reductions: per channel, sum u and sum u v for per-element (u, v) in double. A unit of work is
 //  planar: a part of a plane (at most kPart elements), sums in registers;
-//  rows: a block of about kBlock elements (whole super-rows), sums in arrays
-//        of length R, folded to C at the end of the unit;
-// each unit writes its own partial sums; they are combined afterwards in
-// unit order, so the result does not depend on the thread count.
+//  rows: a block of about kBlock elements (whole super-rows), sums in arrays of length R, folded to C at its end;
+// each unit writes its own partial sums, combined afterwards in unit order: independent of the thread count.
 
 constexpr int64_t kPart = 1 << 16;
 constexpr int64_t kBlock = 1 << 15;
@@ -677,10 +614,8 @@ inline DPair<float> todp(const Vectorized<float>& x) {
 }
 inline DPair<double> todp(const Vectorized<double>& x) { return DPair<double>{{x}}; }
 
-// The lanes' sum as a fixed tree (the vectors, then halves of the lanes):
-// three (AVX2) or four (AVX512) dependent additions instead of seven or
-// fifteen, which weighed on units of a few vectors (planes of 8x8 px in
-// GroupNorm mode).
+// The lanes' sum as a fixed tree (the vectors, then halves of the lanes): three (AVX2) or four (AVX512) dependent
+// additions instead of seven or fifteen, which weighed on units of a few vectors (8x8 px planes, GroupNorm mode).
 template <typename F>
 inline double lane_sum(const DPair<F>& a) {
   constexpr int H = Vectorized<double>::size();
@@ -693,21 +628,17 @@ inline double lane_sum(const DPair<F>& a) {
   return t[0];
 }
 
-// elem(i, j, cnt, full, co, u, v): for the vector of elements at flat index
-// i, segment offset j (cnt valid lanes; invalid lanes must give u = 0 and a
-// finite v), the compute-type vectors u, v; the sums are sum u and sum u v,
-// taken in double. Planes: four consecutive vectors are first combined
-// pairwise in the compute type (two more roundings, then double), which
-// quarters the conversions. Rows are walked strictly in memory order
-// (interleaving rows costs more DRAM bandwidth than it saves); their sums are
-// kept in the compute type over a few super-rows, then added to double.
-// coef: the per-channel coefficient that co.get(0, j) gives. elem should
-// capture by value: it is copied into each parallel task.
+// elem(i, j, cnt, full, co, u, v): for the vector of elements at flat index i, segment offset j (cnt valid lanes;
+// invalid lanes must give u = 0 and a finite v), the compute-type vectors u, v; the sums are sum u and sum u v,
+// taken in double. Planes: four consecutive vectors are first combined pairwise in the compute type (two more
+// roundings, then double), which quarters the conversions. Rows are walked strictly in memory order (interleaving
+// rows costs more DRAM bandwidth than it saves); their sums are kept in the compute type over a few super-rows, then
+// added to double. coef: the per-channel coefficient that co.get(0, j) gives. elem should capture by value: it is
+// copied into each parallel task.
 template <typename F, class Elem>
 void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, double* out2, int64_t cost = 1) {
-  // units of kBlock elements, down to kBlock / cost where a small tensor
-  // would otherwise split in fewer than four (smaller units everywhere made
-  // SiLU 16x512x7x7 20% slower: more accumulators to fold)
+  // units of kBlock elements, down to kBlock / cost where a small tensor would otherwise split in fewer than four
+  // (smaller units everywhere made SiLU 16x512x7x7 20% slower: more accumulators to fold)
   const int64_t block = std::min(kBlock, std::max(kBlock / cost, g.numel / 4));
   constexpr int K = 1;
   const F* const src[K] = {coef};
@@ -787,41 +718,30 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
     const int64_t R = super_row(g);
     const CoefRows<F, K> cr(coef, 0, g);
     const int64_t nsr = (g.numel + R - 1) / R;
-    // super-rows per unit: about `block` elements, and at least 4 super-rows
-    // when these are long, so that clearing and folding the accumulators
-    // stays small next to the data
+    // super-rows per unit: about `block` elements, and at least 4 super-rows when these are long, so that clearing
+    // and folding the accumulators stays small next to the data
     const int64_t br_min = R >= kBlock / 4 ? 4 : 1;
     int64_t br = std::max<int64_t>(br_min, block / R);
     int64_t units = (nsr + br - 1) / br;
-    // Then units of equal size, their count rounded up to a multiple of four
-    // where the rows allow, so that two or four threads get equal shares: 16
-    // units of 49 super-rows rather than 13 of 64 (7 to one thread, 6 to the
-    // other) at 16x512x7x7 channels-last, SiLU backward_reduce keeping z, 2
-    // threads, AVX2: 1.05-1.08 -> 0.88-0.94 ns per element (ad-hoc timing).
+    // Then units of equal size, their count rounded up to a multiple of four where the rows allow, so that two or
+    // four threads get equal shares (16x512x7x7 channels-last, 2 threads: 1.05-1.08 -> 0.88-0.94 ns per element).
     if (units > 1) {
       const int64_t units4 = (units + 3) / 4 * 4;
       br = std::max(br_min, (nsr + units4 - 1) / units4);
       units = (nsr + br - 1) / br;
     }
     std::vector<double> buf(2 * C * units);
-    // Sums over kRowGroup super-rows are kept in the compute type (one load and
-    // one store per vector and sum), then added to double: a double
-    // accumulator per element would cost four loads and four stores per float
-    // vector, which bound the loop on the store port. Same rounding class as
-    // the planar pairs (a handful of compute-type additions, then double).
-    // Eight rather than four: each flush stores three vectors per sum, and
-    // halving them made 16x512x7x7 layers 0.85-0.96x as long on AVX512 and
-    // 0.85-1.03x on AVX2 (bench_cpu.py --compare; 4096x512 0.93-1.0x).
+    // Sums over kRowGroup super-rows are kept in the compute type, then added to double: a double accumulator per
+    // element cost four loads and stores per float vector (store-port bound). Same rounding class as the planar
+    // pairs. Eight rather than four (fewer flushes): 16x512x7x7 layers 0.85-0.96x as long on AVX512.
     constexpr int64_t kRowGroup = sizeof(F) == sizeof(float) ? 8 : int64_t(1) << 40;
     static_assert(kRowGroup % 2 == 0, "super-rows are added in pairs");
     // padded accumulator length, a whole number of cache lines
     const int64_t RP = (R + W + 15) / 16 * 16;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
       const Elem el = elem;
-      // 64-byte aligned accumulators: unaligned vector stores split lines. The
-      // compute-type sums are zeroed once (each flush clears them), the double
-      // ones not at all (a unit's first flush stores): at small shapes these
-      // clears were writing six times the data (2x32x7x7: 77 KB per call).
+      // 64-byte aligned accumulators (unaligned vector stores split lines). The compute-type sums are zeroed once
+      // (each flush clears them), the double ones never (a unit's first flush stores): 2x32x7x7 cleared 77 KB per call.
       std::unique_ptr<double[]> dmem(new double[2 * RP + 8]);
       std::vector<F> fmem(2 * RP + 64 / sizeof(F));
       auto align = [](auto* p) {
@@ -844,11 +764,8 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
       for (int k = 0; k < K; ++k) co.set(k, cr.src[k], cr.exp[k], 0);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t r0 = u * br, r1 = std::min(nsr, (u + 1) * br);
-        // Two whole super-rows per pass (kRowGroup is even: a pair never spans a
-        // flush): one load and store of the accumulators per two vectors.
-        // Against one row per pass (AVX2, 1 thread, best of 400, ad-hoc):
-        // batch_stats 16x256x7x7 channels-last 24.5 vs 30.6 us, 64x64x14x14
-        // 85 vs 107, 4096x512 268 vs 318; backward_reduce 3-10% less; AVX512 even.
+        // Two whole super-rows per pass (kRowGroup is even: a pair never spans a flush): one load and store of the
+        // accumulators per two vectors (batch_stats 16x256x7x7 channels-last, AVX2: 30.6 -> 24.5 us).
         for (int64_t r = r0; r < r1;) {
           const int64_t e = r * R;
           const int64_t n = std::min(R, g.numel - e);
@@ -880,9 +797,8 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
         // fold the super-row to channels (a fixed order: rows, then positions)
         double* o = buf.data() + 2 * C * u;
         std::fill(o, o + 2 * C, 0.0);
-        // channels-last and (N, C): the same additions in the same order, vectorised over
-        // channels; two lane sums of empty vectors per position cost 13% of the four
-        // operators at 16x512x7x7 channels-last (4.12M -> 3.56M instructions, AVX2)
+        // channels-last and (N, C): the same additions in the same order, vectorised over channels (two lane sums of
+        // empty vectors per position cost 13% of the four operators' instructions at 16x512x7x7 channels-last)
         if (g.inner == 1) {
           for (int64_t k = 0; k < R / C; ++k) {
             const double* p1 = dacc + k * C;
@@ -931,25 +847,11 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
 
 
 // ---------------------------------------------------------------------------
-// How a kernel walks memory: the channel of position e is (e / inner) % C.
-// Contiguous tensors with small planes may use the rows path, when one row of
-// the channel pattern (P = C S elements) is at most kRowsMaxPeriod (its
-// coefficient arrays and the reductions' accumulators then stay within L2).
-// Rows cost an expansion of each coefficient row over P per call (K P writes
-// against N P elements) and a P-long fold per reduction unit; planes cost a
-// partial vector per plane, which the costly activations (kCost: SiLU, ELU)
-// pay in full. So (cost = the kernel's kCost, 1 for batch_stats):
-//  - cost 1: rows for planes under 16 elements, or under 32 with N >= 8;
-//  - cost > 1: rows for planes under kRowsMaxPlane (128) where N >= 8 or
-//    P <= 4096 (the expansion small or amortised).
-// Sums of the four operators, leaky_relu / SiLU, AVX2, 2 threads, best of 5
-// (ad-hoc, rows against planes): 2x1024x5x5 112 / 488 against 72 / 396 us,
-// 4x256x7x7 66 / 428 against 45 / 339, 16x512x7x7 260 / 2200 against
-// 215 / 2500 (AVX512 leaky_relu 388 against 205), 8x1024x5x5 175 / 1217
-// against 186 / 1467; 16x256x2x2 leaky_relu 30 against 108, 8x512x3x3 52
-// against 81, 8x128x6x6 42 against 38 (ELU 77 against 90). Earlier, at
-// 8x128x16x16 (a 32768-element pattern) planes made steps 0.48x as long for
-// leaky_relu, 0.80x for SiLU (AVX512; bench_cpu.py --compare).
+// How a kernel walks memory: the channel of position e is (e / inner) % C. Contiguous tensors with small planes take
+// the rows path where the channel pattern (P = C S) is at most kRowsMaxPeriod (coefficients and accumulators stay in
+// L2) and, with cost = kCost (1 for batch_stats), S < 16 or S < 32 with N >= 8 (cost 1), S < kRowsMaxPlane with
+// N >= 8 or with P <= 4096 (cost > 1): rows cost a K P expansion per call and a P-long fold per reduction unit, planes
+// a partial vector per plane, which costly activations pay in full (16x256x2x2 leaky_relu: rows 30, planes 108 us).
 constexpr int64_t kRowsMaxPlane = 128;
 constexpr int64_t kRowsMaxPeriod = 32768;
 

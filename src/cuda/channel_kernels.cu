@@ -1,8 +1,6 @@
-// The front ends' per-channel work on CUDA (ChannelStub, src/ops/kernel.h), one
-// launch each: the coefficient tables, the running-statistics update and the
-// abs mode's weight gradient, with channel_math.h's formulas. Done with ATen
-// ops they were ~40 small launches per layer, which bound a layer's time on an
-// H200 (docs/DESIGN.md section 6).
+// The front ends' per-channel work on CUDA (ChannelStub, src/ops/kernel.h) with channel_math.h's formulas: the
+// coefficient tables, the running-statistics update and the abs mode's weight gradient, one launch each (as ATen
+// ops, ~40 small launches per layer bound a layer's time on an H200; docs/DESIGN.md section 6).
 #include "cuda/launch.cuh"
 
 namespace inplace_abn {

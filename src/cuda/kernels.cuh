@@ -1,16 +1,11 @@
-// CUDA kernels of In-Place ABN (docs/DESIGN.md sections 1-3, 6).
-//
-// Device code; the launches are in src/cuda/<op>_kernel.cu.
+// CUDA kernels of In-Place ABN (docs/DESIGN.md sections 1-3, 6); the launches are in src/cuda/<op>_kernel.cu.
 //
 // Index conventions
-//   numel       elements of x, addressed by their MEMORY position e (the tensor
-//               is contiguous or channels-last, so memory is dense);
-//   inner       S for contiguous (N, C, S) tensors, 1 for channels-last
-//               (N, S, C) ones: the channel of position e is (e / inner) % C;
-//   K           elements per thread and step: 16 / sizeof(scalar_t) when the
-//               pointers are 16-byte aligned (one vector load), else 1.
-// All element-wise math comes from activations.h through
-// Activation<A, ScalarMath<acc_t>>; A is a template parameter.
+//   numel  elements of x, addressed by their MEMORY position e (contiguous or channels-last: memory is dense);
+//   inner  S for contiguous (N, C, S) tensors, 1 for channels-last (N, S, C): the channel of e is (e / inner) % C;
+//   K      elements per thread and step: 16 / sizeof(scalar_t) when the pointers are 16-byte aligned (one vector
+//          load), else 1.
+// All element-wise math is activations.h's Activation<A, ScalarMath<acc_t>>, A a template parameter.
 #pragma once
 
 #include <cstdint>
@@ -98,16 +93,13 @@ struct ChanCursor {
   }
 };
 
-// Per-channel coefficients (R rows of the coef table) for the element-wise
-// kernels, without a load per element in the common cases:
-//  kFixed: the thread's channels never change (channels-last, with a grid
-//          whose element stride is a multiple of C, see ew_config in
+// Per-channel coefficients (R rows of the coef table) for the element-wise kernels, without a load per element
+// in the common cases:
+//  kFixed: the thread's channels never change (channels-last, grid element stride a multiple of C: ew_config in
 //          src/cuda/launch.cuh): loaded into registers once, before the loop;
-//  else:   a vector inside one channel (planar layout, s + K <= inner) uses R
-//          scalars, reloaded only when the channel changes (one cache per
-//          unrolled slot u); a vector across channels loads per element.
-// apply(u, cur, f) calls f(get) with get(r, j) the coefficient r of element j
-// of the vector that starts at cursor `cur`.
+//  else:   a vector inside one channel (planar, s + K <= inner) uses R scalars, reloaded only when the channel
+//          changes (one cache per unrolled slot u); a vector across channels loads per element.
+// apply<u>(cur, f) calls f(get), get(r, j) the coefficient r of element j of the vector starting at cursor `cur`.
 template <typename acc_t, int R, int K, int U, bool kFixed>
 struct CoefSource {
   const acc_t* __restrict__ coef;
@@ -156,10 +148,8 @@ struct CoefSource {
   }
 };
 
-// Element-wise kernels process unroll<scalar_t>() vectors per thread and step
-// (all loads first), for more bytes in flight: 2 x 16 bytes for float and
-// double; 1 for the 16-bit types, whose 8 elements per vector already take the
-// registers (more would spill).
+// Vectors per thread and step of the element-wise kernels (all loads first, for more bytes in flight): 2 for
+// float and double; 1 for the 16-bit types, whose 8-element vectors already take the registers (more would spill).
 template <typename scalar_t>
 constexpr int unroll() {
   return sizeof(scalar_t) == 2 ? 1 : 2;
@@ -168,10 +158,9 @@ constexpr int unroll() {
 // ---------------------------------------------------------------------------
 // Packed SiLU branch mask: bit (e % 32) of word e / 32.
 
-// The warp's lanes hold K consecutive elements each, lane l at warp_first + l*K
-// with warp_first a multiple of 32*K, so the warp covers K whole words; `bits`
-// holds the lane's K bits (bit j for element j). Every lane of the warp must
-// call this (full-mask warp intrinsics). `e` is the lane's first element.
+// Lane l holds K consecutive elements from e = warp_first + l*K (warp_first a multiple of 32*K): the warp covers
+// K whole words; `bits`: the lane's K bits (bit j: element j). Every lane of the warp must call this (full-mask
+// warp intrinsics).
 template <int K>
 __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, uint32_t bits, int lane, int64_t e,
                                                  int64_t numel) {
@@ -179,9 +168,8 @@ __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, ui
     const uint32_t w = __ballot_sync(kFullMask, bits != 0u);
     if (lane == 0 && e < numel) mask[e >> 5] = w;
   } else {
-    // Groups of G = 32 / K lanes fill one word: lane l contributes bits
-    // K*(l % G) .. K*(l % G) + K - 1; an OR butterfly inside the group
-    // (xor offsets < G stay inside aligned groups) assembles it.
+    // Groups of G = 32 / K lanes fill one word, lane l giving bits K*(l % G) .. K*(l % G) + K - 1; an OR
+    // butterfly assembles it (xor offsets < G stay inside aligned groups).
     constexpr int G = 32 / K;
     uint32_t w = bits << (K * (lane % G));
 #pragma unroll
@@ -191,14 +179,11 @@ __device__ __forceinline__ void write_mask_words(uint32_t* __restrict__ mask, ui
 }
 
 // ---------------------------------------------------------------------------
-// forward_: y = f((x - mean) g~ r + beta [+ residual]) written into x, x read
-// from src (x itself, or the source of the out-of-place form); with zout
-// (ReLU, A = identity), z into zout and max(z, 0) into x.
-// Each thread reads then writes its own positions only; x, src and res carry no
-// __restrict__ so that a residual aliasing x stays correct.
-// Thread t handles the vectors v = t + (i U + u) vstride (u < U), vector v
-// being elements [v K, v K + K); a warp's 32 vectors are consecutive and start
-// at a multiple of 32 K, so they fill K whole mask words.
+// forward_: y = f((x - mean) g~ r + beta [+ residual]) into x, x read from src (x, or the out-of-place form's
+// source); with zout (ReLU, A = identity): z into zout, max(z, 0) into x.
+// Each thread reads then writes its own positions only; x, src and res carry no __restrict__ so that a residual
+// aliasing x stays correct. Thread t handles vectors v = t + (i U + u) vstride (u < U), vector v being elements
+// [v K, v K + K); a warp's 32 vectors are consecutive from a multiple of 32 K, so they fill K whole mask words.
 
 template <typename scalar_t, typename acc_t, Act A, int K, bool kFixed>
 __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
@@ -216,8 +201,7 @@ __global__ void __launch_bounds__(kEwThreads, kEwMinBlocks)
   ChanCursor cur;
   cur.init(v * K, inner, C);
   CoefSource<acc_t, kFwdRows, K, U, kFixed> co(coef, C, inner, cur);
-  // The loop condition is uniform over the warp (vb: the warp's first vector),
-  // so that every lane reaches the mask's warp intrinsics.
+  // Loop condition uniform over the warp (vb: its first vector): every lane reaches the mask's warp intrinsics.
   for (int64_t vb = v - lane; vb < nvec; vb += U * vstride, v += U * vstride) {
     scalar_t xv[U][K], rv[U][K];
     ChanCursor cu[U];
@@ -419,9 +403,8 @@ __device__ __forceinline__ typename Op::V block_reduce_y(typename Op::V v, typen
 // Partial results: F rows of (nchunks, C) values, part[(f * nchunks + chunk) * C + c].
 
 // ---------------------------------------------------------------------------
-// batch_stats, contiguous (N, C, S): grid (chunks, channels); block b of
-// channel c reduces vectors [b * chunk_len, (b+1) * chunk_len) of the N * S/K
-// vectors of that channel (vector i: sample i / Sv, position i % Sv).
+// batch_stats, contiguous (N, C, S): grid (chunks, channels); block b of channel c reduces vectors
+// [b * chunk_len, (b+1) * chunk_len) of the channel's N * S/K (vector i: sample i / Sv, position i % Sv).
 // Welford per thread (one division per K elements), then Chan's combination.
 
 template <typename scalar_t, typename acc_t, int K>
@@ -485,9 +468,8 @@ __global__ void __launch_bounds__(kRedThreads)
   }
 }
 
-// batch_stats, channels-last (N*S rows of C): grid (channel tiles, row chunks),
-// block (BX, BY): thread (tx, ty) owns channels [cv*K, cv*K + K) of the tile
-// and rows r0 + ty, r0 + ty + BY, ... of the chunk; then a tree over ty.
+// batch_stats, channels-last (N*S rows of C): grid (channel tiles, row chunks), block (BX, BY): thread (tx, ty)
+// owns channels [cv*K, cv*K + K) of the tile and rows r0 + ty, r0 + ty + BY, ... of the chunk; then a tree over ty.
 template <typename scalar_t, typename acc_t, int K>
 __global__ void __launch_bounds__(kRedThreads)
     stats_cl_kernel(const scalar_t* __restrict__ x, int64_t M, int64_t C, int64_t rows_per_chunk, int64_t nchunks,
@@ -532,9 +514,8 @@ __global__ void __launch_bounds__(kRedThreads)
 // ---------------------------------------------------------------------------
 // backward_reduce: S_g = sum gz, S_gx = sum gz xhat per channel, from y alone.
 
-// Per element: gz = dy f'(z), zc = z - shift [- res]; the kernels sum gz and
-// gz zc, and finalize_sums_kernel divides the second sum by g~ (xhat = zc / g~).
-// r = 0 without a residual (z - shift - 0 is exactly z - shift).
+// Per element: gz = dy f'(z), zc = z - shift [- res]; the kernels sum gz and gz zc, finalize_sums_kernel divides
+// the second sum by g~ (xhat = zc / g~). r = 0 without a residual (z - shift - 0 is exactly z - shift).
 template <typename acc_t, Act A>
 struct GradTerms {
   static __device__ __forceinline__ void add(acc_t y, acc_t dy, acc_t r, uint32_t bit, acc_t shift, acc_t param,

@@ -1,10 +1,6 @@
-// Host side of the CUDA kernels (src/cuda/<op>_kernel.cu): launch
-// configurations (pure functions of the sizes and the device), the current
-// stream and checked launches.
-//
-// Only c10 CUDA headers (not ATen/cuda/CUDAContext.h, which pulls in the
-// cuBLAS / cuSPARSE headers): c10::cuda::getCurrentCUDAStream() is the stream
-// at::cuda::getCurrentCUDAStream() returns.
+// Host side of the CUDA kernels (src/cuda/<op>_kernel.cu): launch configurations, the current stream and
+// checked launches. Only c10 CUDA headers (ATen/cuda/CUDAContext.h pulls in the cuBLAS / cuSPARSE headers):
+// c10::cuda::getCurrentCUDAStream() is the stream at::cuda::getCurrentCUDAStream() returns.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -27,8 +23,7 @@ namespace inplace_abn {
 namespace gpu {
 
 constexpr int64_t kMaxGridY = 65535;
-// Largest block-count multiple accepted for the fixed-channel element-wise
-// grids (ew_config).
+// Largest block-count multiple accepted for the fixed-channel element-wise grids (ew_config).
 constexpr int64_t kMaxFixedBlocks = 8192;
 
 // Memory is (N S) rows of C channels: channels-last, or S == 1.
@@ -45,8 +40,7 @@ inline int64_t pow2_ceil(int64_t v) {
   return p;
 }
 
-// Largest count reduced by one block: per-block counts travel as acc_t, exact
-// in float up to 2^24.
+// Largest count reduced by one block: per-block counts travel as acc_t, exact in float up to 2^24.
 constexpr int64_t kMaxBlockCount = int64_t(1) << 24;
 
 struct EwConfig {
@@ -55,12 +49,11 @@ struct EwConfig {
   bool fixed;  // channels fixed per thread (CoefSource kFixed)
 };
 
-// Element-wise kernels: grid-stride over the numel / K vectors, about two
-// waves of resident blocks at most. For rows (channels-last) the block count
-// is rounded up to a multiple of bq, so that the grid's stride in elements,
-// blocks * threads * K, is a multiple of C and every thread keeps its channels
-// (and their coefficients, in registers) over the whole loop; when bq would be
-// too large (C with a large odd factor) the kernels load per element instead.
+// Element-wise kernels: grid-stride over the numel / K vectors, about two waves of resident blocks at most. For
+// rows (channels-last) the block count is rounded up to a multiple of bq, so that the grid's stride in elements,
+// blocks * threads * K, is a multiple of C and every thread keeps its channels (and their coefficients, in
+// registers) over the whole loop; when bq would be too large (C with a large odd factor) the kernels load per
+// element instead.
 inline EwConfig ew_config(int64_t numel, int64_t K, const Geometry& g, int sms) {
   const int64_t cap = int64_t(sms) * (2048 / kEwThreads) * 2;
   EwConfig cfg{std::max<int64_t>(1, std::min(ceil_div(ceil_div(numel, K), kEwThreads), cap)), kEwThreads, false};
@@ -126,10 +119,9 @@ inline RowsConfig rows_config(int64_t M, int64_t C, int64_t K, int sms) {
   return cfg;
 }
 
-// The grid of a reduction's partial results (nchunks per channel): contiguous
-// (N, C, S) (grid: chunks x channels, 1D blocks, len vectors per chunk) or
-// rows (grid: channel tiles x row chunks, 2D blocks, len rows per chunk); K
-// elements per load (KV when aligned and the layout allows).
+// The grid of a reduction's partial results (nchunks per channel): contiguous (N, C, S) (chunks x channels, 1D
+// blocks, len vectors per chunk) or rows (channel tiles x row chunks, 2D blocks, len rows per chunk); K elements
+// per load (KV when aligned and the layout allows).
 struct ReduceGrid {
   int K;
   dim3 grid, block;

@@ -1,12 +1,9 @@
-// inplace_abn::inplace_abn_: a local (unsynchronised) In-Place ABN layer with its
-// autograd in C++. The steps are those of _InPlaceABNFunction in
-// inplace_abn/functions.py, which stays the path for torch.compile, the
-// synchronised layer and the pure backend; eager calls on the native backend
-// come here and save the Python autograd.Function and its Python-level op
-// calls: about 25 us of host time per training step (docs/DESIGN.md section 7.3).
-// The argument checks stay in Python (they raise before anything is written).
-// inplace_agn_ does the same for the GroupNorm layer (section 10); inplace_abn and
-// inplace_agn are the two layers out of place (preserve_input).
+// inplace_abn::inplace_abn_: a local (unsynchronised) In-Place ABN layer with its autograd in C++, the steps of
+// _InPlaceABNFunction in inplace_abn/functions.py (still the path for torch.compile, the synchronised layer and the
+// pure backend). Eager native calls come here, saving the Python autograd.Function and its Python-level op calls:
+// ~25 us of host time per training step (docs/DESIGN.md section 7.3). The argument checks stay in Python (they
+// raise before anything is written). inplace_agn_: the same for the GroupNorm layer (section 10); inplace_abn and
+// inplace_agn: the two layers out of place (preserve_input).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -44,11 +41,9 @@ const Ops& ops() {
 
 OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
-// The layers differentiate their operator calls themselves, so these skip the
-// operators' Autograd kernel (NoGrad below), whose checks of every argument
-// would only cost time: the calls go straight to the backend kernels, through
-// the dispatcher still, so that dispatch modes, fake tensors and the profiler
-// see them (2x32x7x7 identity, one training step: ~3k of ~460k instructions).
+// The layers differentiate their operator calls themselves, so these skip the operators' Autograd kernel (NoGrad
+// below) and its argument checks (~3k of ~460k instructions per step), still through the dispatcher so that
+// dispatch modes, fake tensors and the profiler see them.
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
 
 // Index of the autograd edge of each tensor argument (undefined optionals have none).
@@ -65,9 +60,8 @@ struct Edges {
   }
 };
 
-// What both layers keep for backward: the output (or ReLU's z), the variance,
-// the parameters, the residual and the mask; integer and float settings. x is
-// marked dirty (written in place) unless undefined (the out-of-place layer).
+// What both layers keep for backward: the output (or ReLU's z), the variance, the parameters, the residual and the
+// mask; integer and float settings. x is marked dirty (written in place) unless undefined (the out-of-place layer).
 void save(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y, const at::Tensor& var,
           const OptTensor& weight, const OptTensor& bias, const OptTensor& residual, const at::Tensor& mask,
           std::vector<int64_t> ints, double eps, double param) {
@@ -97,9 +91,8 @@ struct Saved {
   }
 };
 
-// num_batches_tracked += 1 (the module's counter, once the layer has run). On the
-// CPU without an operator call: from Python, add_ is ~2 us of a small layer's ~20 us
-// forward (benchmarks/bench_cpu.py --quick).
+// num_batches_tracked += 1 (the module's counter, once the layer has run); on the CPU without an operator call
+// (from Python, add_ was ~2 us of a small layer's ~20 us forward).
 void count_batch(const at::Tensor& counter) {
   if (counter.is_cpu() && counter.scalar_type() == at::kLong && counter.numel() == 1 && !counter.is_inference()) {
     ++*counter.data_ptr<int64_t>();
@@ -176,13 +169,11 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
   }
 };
 
-// The GroupNorm layer (docs/DESIGN.md section 10): the BatchNorm operators in
-// their GroupNorm mode forward (a channels-last x runs there sample by sample),
-// and gn_backward, as _InPlaceAGNFunction runs them with the native operators
-// (it stays the path of the pure backend and of the channels-last SiLU shapes
-// that inplace_abn/_groupnorm_ops.py leaves to the pure kernels).
-// With out_of_place (inplace_agn): y goes to a new tensor in x's layout and x is
-// left as it is; forward_ reads x as its source, so this costs no more than the
+// The GroupNorm layer (docs/DESIGN.md section 10): the BatchNorm operators in their GroupNorm mode forward (a
+// channels-last x runs there sample by sample), and gn_backward, as _InPlaceAGNFunction runs them with the native
+// operators (it stays the path of the pure backend and of the channels-last SiLU shapes that
+// inplace_abn/_groupnorm_ops.py leaves to the pure kernels). With out_of_place (inplace_agn): y goes to a new
+// tensor in x's layout and x is left as it is; forward_ reads x as its source, so this costs no more than the
 // in-place form (a copy of x first would add a pass), and y alone is still kept.
 struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const OptTensor& weight, const OptTensor& bias,
@@ -229,8 +220,7 @@ struct InPlaceAGNFunction : torch::autograd::Function<InPlaceAGNFunction> {
   }
 };
 
-// The layers' operators: inplace_abn_ / inplace_agn_ (kOutOfPlace = false) and
-// inplace_abn / inplace_agn (true, preserve_input).
+// The layers' operators: inplace_abn_ / inplace_agn_ (kOutOfPlace = false), inplace_abn / inplace_agn (true).
 template <bool kOutOfPlace>
 at::Tensor agn_layer(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
                      int64_t groups, double eps, int64_t activation, double activation_param, bool signed_weight) {
@@ -267,13 +257,10 @@ bool needs_grad(const T&, bool) {
   return false;
 }
 
-// The Autograd kernel of an operator without a derivative (all but the two
-// layers), for direct calls (the layers' own calls skip it: BelowAutograd).
-// Gradients through a direct call with grad mode on (or tangents through one
-// under forward AD) would be missing, so that raises. Without this kernel each call took PyTorch's boxed
-// fallback for operators without autograd (box the arguments, inspect them,
-// redispatch, unbox): ~1.7 us of a 2x32x7x7 layer's 49 us training step
-// (docs/DESIGN.md section 7.3).
+// The Autograd kernel of an operator without a derivative (all but the two layers), for direct calls (the layers'
+// own calls skip it: BelowAutograd). Gradients through a direct call with grad mode on (or tangents through one
+// under forward AD) would be missing, so that raises. It replaces PyTorch's boxed fallback for operators without
+// autograd (~1.7 us of a 2x32x7x7 layer's 49 us training step; docs/DESIGN.md section 7.3).
 template <class Sig>
 struct NoGrad;
 template <class R, class... A>

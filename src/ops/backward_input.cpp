@@ -1,7 +1,6 @@
-// inplace_abn::backward_input: dx = g~ r (gz - k mean_gz - xhat k mean_gz_xhat), k = sums_scale,
-// and gz (the residual's gradient) when asked; backward_input_from_z_: the same
-// from z = f^-1(y) stored by backward_reduce, dx written over z. Kernels:
-// src/cpu/backward_input_kernel.cpp, src/cuda/backward_input_kernel.cu.
+// inplace_abn::backward_input: dx = g~ r (gz - k mean_gz - xhat k mean_gz_xhat), k = sums_scale, and gz (the
+// residual's gradient) when asked; backward_input_from_z_: the same from z = f^-1(y) stored by backward_reduce, dx
+// written over z. Kernels: src/cpu/backward_input_kernel.cpp, src/cuda/backward_input_kernel.cu.
 #include "ops/backward_passes.h"
 #include "ops/ops.h"
 

@@ -1,6 +1,5 @@
-// inplace_abn::backward_reduce: per-channel S_g = sum gz and S_gx = sum gz xhat,
-// from the output y alone. Kernels: src/cpu/backward_reduce_kernel.cpp,
-// src/cuda/backward_reduce_kernel.cu.
+// inplace_abn::backward_reduce: per-channel S_g = sum gz and S_gx = sum gz xhat, from the output y alone.
+// Kernels: src/cpu/backward_reduce_kernel.cpp, src/cuda/backward_reduce_kernel.cu.
 #include "ops/backward_passes.h"
 #include "ops/ops.h"
 

@@ -1,6 +1,5 @@
-// inplace_abn::batch_stats: per-channel mean and biased variance, in the
-// accumulation dtype, and (optionally) the running-statistics update of
-// torch.nn.BatchNorm folded into the same call. Kernels:
+// inplace_abn::batch_stats: per-channel mean and biased variance, in the accumulation dtype, and (optionally) the
+// running-statistics update of torch.nn.BatchNorm folded into the same call. Kernels:
 // src/cpu/batch_stats_kernel.cpp, src/cuda/batch_stats_kernel.cu.
 #include <ATen/core/grad_mode.h>
 
@@ -30,9 +29,8 @@ void move_running(const at::Tensor& r, const at::Tensor& s, double factor, doubl
   });
 }
 
-// GroupNorm statistics (groups > 0): (N, G) mean and biased variance per
-// (sample, group). Contiguous x: BatchNorm statistics of the (1, N G, rest)
-// view. Channels-last x: sample n in memory is (S, G, C/G) contiguous, whose
+// GroupNorm statistics (groups > 0): (N, G) mean and biased variance per (sample, group). Contiguous x: BatchNorm
+// statistics of the (1, N G, rest) view. Channels-last x: sample n in memory is (S, G, C/G) contiguous, whose
 // BatchNorm channels are the groups, one kernel call per sample (Groups).
 std::tuple<at::Tensor, at::Tensor> group_stats(const at::Tensor& x, const OptTensor& running_mean,
                                                const OptTensor& running_var, int64_t groups) {

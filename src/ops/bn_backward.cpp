@@ -1,11 +1,9 @@
-// inplace_abn::bn_backward: the whole backward of the local BatchNorm layer in one
-// operator call, as stock's native_batch_norm_backward: the reduce pass (when its
-// sums are needed), the input pass (from the reduce pass's z for SiLU on the CPU,
-// docs/DESIGN.md section 7.2) and the parameters' gradients, behind one front end:
-// one set of checks, guards and dy conversion, and no dispatcher round trip
-// between the passes. The local layer's C++ autograd calls it (src/ops/autograd.cpp);
-// the synchronised layer calls backward_reduce and backward_input, as its
-// all-reduce sits between them.
+// inplace_abn::bn_backward: the whole backward of the local BatchNorm layer in one operator call, as stock's
+// native_batch_norm_backward: the reduce pass (when its sums are needed), the input pass (from the reduce pass's z
+// for SiLU on the CPU, docs/DESIGN.md section 7.2) and the parameters' gradients, behind one front end: one set of
+// checks, guards and dy conversion, and no dispatcher round trip between the passes. The local layer's C++
+// autograd calls it (src/ops/autograd.cpp); the synchronised layer calls backward_reduce and backward_input, as
+// its all-reduce sits between them.
 #include <ATen/record_function.h>
 
 #include "ops/backward_passes.h"

@@ -1,6 +1,5 @@
-// Helpers of the device-agnostic front ends (src/ops/<op>.cpp): argument
-// checks, the memory layout, and the per-channel coefficient tables (float64
-// formulas rounded into the accumulation dtype).
+// Helpers of the device-agnostic front ends (src/ops/<op>.cpp): argument checks, the memory layout, and the
+// per-channel coefficient tables (float64 formulas rounded into the accumulation dtype).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -106,8 +105,7 @@ inline bool silu_keeps_z(const at::Tensor& y, int64_t act) {
          (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
 }
 
-// The kernels read contiguous or channels-last memory without copies;
-// anything else must be made contiguous by the caller.
+// The kernels read contiguous or channels-last memory without copies; the caller makes anything else contiguous.
 inline bool is_channels_last(const at::Tensor& x) {
   return !x.is_contiguous() && ((x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
                                 (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)));
@@ -150,11 +148,9 @@ inline at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-// The backward of a ReLU layer (relu: y holds z, activation 0): the output
-// gradient for the kernels and whether they apply ReLU's derivative to it as
-// they read it (gz = dy where z > 0, else 0, as threshold_backward(dy, z, 0):
-// one pass over memory less). The CPU kernels do; other devices get dy
-// thresholded here.
+// The backward of a ReLU layer (relu: y holds z, activation 0): the output gradient for the kernels and whether
+// they apply ReLU's derivative to it as they read it (gz = dy where z > 0, else 0, as threshold_backward(dy, z, 0):
+// one pass over memory less). The CPU kernels do; other devices get dy thresholded here.
 inline std::pair<at::Tensor, bool> relu_dy(const at::Tensor& dy, const at::Tensor& y, Act act, bool relu) {
   TORCH_CHECK(!relu || act == Act::Identity, "inplace_abn: relu=True needs activation 0 (identity), got ",
               static_cast<int>(act));
@@ -162,10 +158,9 @@ inline std::pair<at::Tensor, bool> relu_dy(const at::Tensor& dy, const at::Tenso
   return {at::threshold_backward(like(dy, y), y, 0), false};
 }
 
-// A (C,) vector of the CPU read as float64: float32 / float64 contiguous
-// tensors in place (a conversion would cost one ATen call per vector and
-// operator call), others through a float64 copy. float -> double is exact, so
-// the bits are the same either way.
+// A (C,) vector of the CPU read as float64: float32 / float64 contiguous tensors in place (a conversion would cost
+// one ATen call per vector and operator call), others through a float64 copy (float -> double is exact: the same
+// bits either way).
 class DoubleReader {
  public:
   explicit DoubleReader(const at::Tensor& t) : keep_(t) {  // (kept: t may be a temporary)
@@ -184,11 +179,9 @@ class DoubleReader {
   const double* pd_ = nullptr;
 };
 
-// The (rows, cols) coefficient table T of x's operator, in x's accumulation
-// dtype, from its inputs in and scalars spec (channel_math.h gives all three).
-// cols: the number of columns, x.size(1) unless given (GroupNorm: N C). The CPU
-// fills it in one loop (no ATen op per formula: forward_ at 16x512x7x7 110 -> 99
-// us), a GPU in one launch.
+// The (rows, cols) coefficient table T of x's operator, in x's accumulation dtype, from its inputs in and scalars
+// spec (channel_math.h gives all three); cols: x.size(1) unless given (GroupNorm: N C). The CPU fills it in one
+// loop (no ATen op per formula: forward_ at 16x512x7x7 110 -> 99 us), a GPU in one launch.
 template <Table T>
 at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, table_inputs_of(T)>& in,
                       const TableSpec& spec, int64_t cols = -1) {
@@ -216,8 +209,7 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, table_
       for (int i = 0; i < R; ++i) out[i * C + c] = static_cast<scalar_t>(rw[i]);
     };
     constexpr int64_t kGrain = 2048;  // columns per task; fewer run on the calling thread
-    // BatchNorm's columns without the bookkeeping below, which the compiler kept in
-    // the loop (2x32x7x7 step under callgrind: ~5k instructions more with it)
+    // BatchNorm's columns without the bookkeeping below, which the compiler kept in the loop (~5k instructions more)
     if (flat && C < kGrain) {
       for (int64_t c = 0; c < C; ++c) {
         double vc[K];
@@ -226,9 +218,8 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, table_
       }
       return;
     }
-    // GroupNorm mode has N C columns: split them across threads, and count the
-    // entries read (q, r: k = q div + r) on instead of dividing per column (the
-    // serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
+    // GroupNorm's N C columns: split across threads, the entries read (q, r: k = q div + r) counted on instead of
+    // divided per column (the serial loop was 3x the forward_ kernel at 8x512x8x8, 32 groups)
     at::parallel_for(0, C, kGrain, [&](int64_t c0, int64_t c1) {
       std::array<int64_t, K> q, r;
       for (size_t k = 0; k < K; ++k) {
@@ -252,11 +243,9 @@ at::Tensor coef_table(const at::Tensor& x, const std::array<ChannelInput, table_
   return table;
 }
 
-// A view of t's memory with these sizes and strides, `offset` elements on, made
-// without the dispatcher: the per-sample arguments of the GroupNorm mode, where
-// narrow, select and movedim (2-3 operator calls each, ~8 per sample and operator
-// call) were most of a small channels-last layer's time (8x128x8x8: 2.4x the
-// contiguous layer). The kernels only read such views.
+// A view of t's memory with these sizes and strides, `offset` elements on, made without the dispatcher: the
+// GroupNorm mode's per-sample arguments, where narrow, select and movedim made a small channels-last layer 2.4x
+// the contiguous one. The kernels only read such views.
 inline at::Tensor raw_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(),
                                                    t.dtype());
@@ -264,7 +253,7 @@ inline at::Tensor raw_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntAr
   return at::Tensor(std::move(impl));
 }
 
-// Entries [n len, (n + 1) len) of dim 0 of t (keep_dim, len = 1: t.select(0, n)); undefined or empty stays so.
+// Entries [n len, (n + 1) len) of dim 0 of t (len = 1 without keep_dim: t.select(0, n)); undefined or empty stays so.
 inline at::Tensor part(const at::Tensor& t, int64_t n, int64_t len, bool keep_dim) {
   if (!t.defined() || !t.numel()) return t;
   auto sizes = t.sizes().vec(), strides = t.strides().vec();
@@ -273,16 +262,13 @@ inline at::Tensor part(const at::Tensor& t, int64_t n, int64_t len, bool keep_di
   return raw_view(t, sizes, strides, n * len * t.stride(0));
 }
 
-// GroupNorm mode of the operators (groups > 0; docs/DESIGN.md section 10). A
-// contiguous (N, C, *) input is the BatchNorm input (1, N C, S) whose channel
-// k = n C + c takes the statistics of (n, group c / (C / G)), entry k / (C / G)
-// of the (N, G) statistics, and the parameters of channel c = k % C. A
-// channels-last input, whose (n, c) planes are not adjacent in memory, runs
-// sample by sample (per_sample): the kernels see x[n] (channels-last
-// (1, C, *)) with columns n C .. n C + C - 1 of the same N C-column table, and
-// the SiLU mask is the samples' masks, each padded to whole 32-bit words; on
-// the CPU the samples are spread over the threads (the results do not depend
-// on it). groups = 0: BatchNorm, x as it is.
+// GroupNorm mode of the operators (groups > 0; docs/DESIGN.md section 10). A contiguous (N, C, *) input is the
+// BatchNorm input (1, N C, S) whose channel k = n C + c takes the statistics of (n, group c / (C / G)), entry
+// k / (C / G) of the (N, G) statistics, and the parameters of channel c = k % C. A channels-last input, whose
+// (n, c) planes are not adjacent in memory, runs sample by sample (per_sample): the kernels see x[n]
+// (channels-last (1, C, *)) with columns n C .. n C + C - 1 of the same N C-column table, and the SiLU mask is
+// the samples' masks, each padded to whole 32-bit words; on the CPU the samples are spread over the threads (the
+// results do not depend on it). groups = 0: BatchNorm, x as it is.
 struct Groups {
   int64_t G = 0, N = 0, C = 0;
   bool per_sample = false;

@@ -1,9 +1,7 @@
-// inplace_abn::forward_: y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual])
-// written into x; returns the packed SiLU branch mask. With z_out (the
-// non-invertible ReLU): z into z_out, max(z, 0) into x, in one pass. With
-// source: the input is read from source and x only receives the output (the
-// out-of-place layer; one pass less than a copy followed by the in-place form).
-// Kernels: src/cpu/forward_kernel.cpp, src/cuda/forward_kernel.cu.
+// inplace_abn::forward_: y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual]) written into x; returns the
+// packed SiLU branch mask. With z_out (the non-invertible ReLU): z into z_out, max(z, 0) into x, in one pass. With
+// source: the input is read from source and x only receives the output (the out-of-place layer; one pass less than
+// a copy followed by the in-place form). Kernels: src/cpu/forward_kernel.cpp, src/cuda/forward_kernel.cu.
 #include <ATen/MemoryOverlap.h>
 
 #include "ops/common.h"

@@ -1,9 +1,8 @@
-// inplace_abn::gn_backward: the backward of the GroupNorm layer from its output
-// (docs/DESIGN.md section 10): dx, dresidual and the per-channel sums over the
-// batch of gz and gz xhat. A CPU y whose blocks ((sample, group) when contiguous,
-// samples when channels-last) fit the kernel's buffers takes one pass over memory
-// (src/cpu/gn_backward_kernel.cpp); other shapes and devices run backward_reduce,
-// the group means and backward_input, which read y and dy twice.
+// inplace_abn::gn_backward: the backward of the GroupNorm layer from its output (docs/DESIGN.md section 10): dx,
+// dresidual and the per-channel sums over the batch of gz and gz xhat. A CPU y whose blocks ((sample, group) when
+// contiguous, samples when channels-last) fit the kernel's buffers takes one pass over memory
+// (src/cpu/gn_backward_kernel.cpp); other shapes and devices run backward_reduce, the group means and
+// backward_input, which read y and dy twice.
 #include "ops/common.h"
 #include "ops/ops.h"
 
@@ -13,8 +12,7 @@ KernelStub gn_backward_stub;
 
 namespace {
 
-// The kernel keeps two blocks of its compute type per thread: 2^16 elements are
-// 512 KB in float32, within L2.
+// The kernel keeps two blocks of its compute type per thread: 2^16 elements are 512 KB in float32, within L2.
 constexpr int64_t kGnBackwardMaxBlock = int64_t(1) << 16;
 
 // Whether the one-pass kernel serves y.

@@ -1,8 +1,7 @@
-// The contract between the device-agnostic front ends (src/ops/<op>.cpp) and
-// the device kernels (src/cpu/<op>_kernel.cpp, src/cuda/<op>_kernel.cu): the
-// arguments every kernel receives (the coefficient tables' rows: channel_math.h),
-// and one dispatch stub per operator (as ATen's DispatchStub: each
-// kernel file registers itself; the front end calls the stub).
+// The contract between the device-agnostic front ends (src/ops/<op>.cpp) and the device kernels
+// (src/cpu/<op>_kernel.cpp, src/cuda/<op>_kernel.cu): the arguments every kernel receives (the coefficient tables'
+// rows: channel_math.h), and one dispatch stub per operator (as ATen's DispatchStub: each kernel file registers
+// itself; the front end calls the stub).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,9 +14,8 @@
 
 namespace inplace_abn {
 
-// Dense memory of a contiguous (N, C, S) or channels-last (N, S, C) tensor,
-// S the product of the spatial sizes. Elements are addressed by their memory
-// position e; the channel of e is (e / inner()) % C.
+// Dense memory of a contiguous (N, C, S) or channels-last (N, S, C) tensor, S the product of the spatial sizes.
+// Elements are addressed by their memory position e; the channel of e is (e / inner()) % C.
 struct Geometry {
   int64_t N, C, S, numel;
   bool channels_last;
@@ -34,9 +32,8 @@ struct KernelArgs {
   // batch_stats: mean, var; backward_reduce: sum_gz, sum_gz_xhat (the
   // accumulation dtype); backward_input: dx and dresidual (undefined unless wanted)
   at::Tensor out1, out2;
-  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce
-  // stores z = f^-1(y) here when defined; backward_input with from_z reads z
-  // from x (no inversion) and overwrites it with dx (out1 is x)
+  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce stores z = f^-1(y) here when
+  // defined; backward_input with from_z reads z from x (no inversion) and overwrites it with dx (out1 is x)
   at::Tensor z;
   bool from_z = false;
   // backward_reduce / backward_input of a ReLU layer (activation 0, CPU): x holds
@@ -52,9 +49,8 @@ struct KernelArgs {
 
 using Kernel = void (*)(const KernelArgs&);
 
-// A per-channel input of a coefficient table: its values, `fill` where absent.
-// Column k of the table reads entry (k / div) % mod of t (mod 0: k / div),
-// see Groups in src/ops/common.h.
+// A per-channel input of a coefficient table: its values, `fill` where absent. Column k of the table reads entry
+// (k / div) % mod of t (mod 0: k / div), see Groups in src/ops/common.h.
 struct ChannelInput {
   std::optional<at::Tensor> t;
   double fill;
@@ -89,8 +85,7 @@ struct KernelStub {
 };
 extern KernelStub batch_stats_stub, forward_stub, backward_reduce_stub, backward_input_stub, gn_backward_stub;
 
-// At namespace scope in a kernel file: the stub runs fn on the CPU (in the
-// file's CPU_CAPABILITY) or on CUDA.
+// At namespace scope in a kernel file: the stub runs fn on the CPU (in the file's CPU_CAPABILITY) or on CUDA.
 #define IABN_REGISTER_KERNEL(stub, slot, fn) \
   static const bool stub##_registered = ((::inplace_abn::stub.slot = (fn)), true)
 #define IABN_REGISTER_CPU_KERNEL(stub, fn) \

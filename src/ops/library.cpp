@@ -1,7 +1,7 @@
-// The inplace_abn operator library: its schemas, declared once for every device, and the CPU registration of the front ends (the CUDA
-// build adds src/cuda/register.cpp). Fake kernels live in Python (inplace_abn/_backend.py);
-// autograd in src/ops/autograd.cpp (the layers, and the operators' refusing kernels)
-// and inplace_abn/functions.py. docs/DESIGN.md section 7.
+// The inplace_abn operator library: its schemas, declared once for every device, and the CPU registration of the
+// front ends (the CUDA build adds src/cuda/register.cpp). Fake kernels live in Python (inplace_abn/_backend.py);
+// autograd in src/ops/autograd.cpp (the layers, and the operators' refusing kernels) and inplace_abn/functions.py.
+// docs/DESIGN.md section 7.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -15,24 +15,20 @@ PyMODINIT_FUNC PyInit__C(void) {  // PyMODINIT_FUNC: exported despite -fvisibili
 }
 
 TORCH_LIBRARY(inplace_abn, m) {
-  // Per-channel batch statistics over all dims but 1: (mean, biased var),
-  // float32 for float/half/bfloat16 inputs, float64 for double. Given running
-  // statistics, also moves them as torch.nn.BatchNorm does, with the count
-  // n = numel / C of x: r <- (1 - momentum) r + momentum s, s the mean and
-  // the unbiased var n / (n - 1) var; n = 0 leaves them, n = 1 is refused.
-  // groups > 0 (GroupNorm, no running statistics): (N, groups) statistics per
-  // (sample, group of C / groups consecutive channels), x contiguous or channels-last.
+  // Per-channel batch statistics over all dims but 1: (mean, biased var), float32 for float/half/bfloat16 inputs,
+  // float64 for double. Given running statistics, also moves them as torch.nn.BatchNorm does, with the count
+  // n = numel / C of x: r <- (1 - momentum) r + momentum s, s the mean and the unbiased var n / (n - 1) var;
+  // n = 0 leaves them, n = 1 is refused. groups > 0 (GroupNorm, no running statistics): (N, groups) statistics
+  // per (sample, group of C / groups consecutive channels), x contiguous or channels-last.
   m.def(
       "batch_stats(Tensor x, Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None, float momentum=0.0, "
       "int groups=0) -> (Tensor mean, Tensor var)");
-  // y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual]) written into x.
-  // Returns the packed SiLU branch mask (int32, ceil(numel/32) words in memory
-  // order of x), empty for other activations. With z_out (activation 0,
-  // identity, only): z_out receives the pre-activation z (accumulation dtype,
-  // x's shape and layout) and x receives max(z, 0): the non-invertible ReLU,
-  // whose backward needs z (docs/DESIGN.md section 3). With source (x's shape,
-  // dtype and layout, sharing no memory with x): the input is read from source
-  // and x only receives y, the out-of-place form (inplace_agn below).
+  // y = f(g~ (x - mean) / sqrt(var + eps) + beta [+ residual]) written into x. Returns the packed SiLU branch mask
+  // (int32, ceil(numel/32) words in memory order of x), empty for other activations. With z_out (activation 0,
+  // identity, only): z_out receives the pre-activation z (accumulation dtype, x's shape and layout) and x receives
+  // max(z, 0): the non-invertible ReLU, whose backward needs z (docs/DESIGN.md section 3). With source (x's shape,
+  // dtype and layout, sharing no memory with x): the input is read from source and x only receives y, the
+  // out-of-place form (inplace_agn below).
   m.def(
       "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0, "
@@ -44,10 +40,9 @@ TORCH_LIBRARY(inplace_abn, m) {
       "backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0, "
       "bool relu=False) -> (Tensor sum_gz, Tensor sum_gz_xhat)");
-  // dx = g~ r (gz - k mean_gz - xhat * k mean_gz_xhat), k = sums_scale (so
-  // the raw sums S_g, S_gx may be passed with k = 1 / n; k = 0 drops both
-  // terms whatever their values: eval mode); with residual_grad also
-  // returns gz (the residual's gradient), else an empty tensor. relu: as backward_reduce.
+  // dx = g~ r (gz - k mean_gz - xhat * k mean_gz_xhat), k = sums_scale (so the raw sums S_g, S_gx may be passed
+  // with k = 1 / n; k = 0 drops both terms whatever their values: eval mode); with residual_grad also returns gz
+  // (the residual's gradient), else an empty tensor. relu: as backward_reduce.
   m.def(
       "backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
       "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, "
@@ -56,21 +51,19 @@ TORCH_LIBRARY(inplace_abn, m) {
   // dweight = sum_gz_xhat dg~/dweight in weight's dtype: sign(weight) (0 at 0)
   // in abs mode, 1 in signed mode (docs/DESIGN.md section 2).
   m.def("weight_grad(Tensor sum_gz_xhat, Tensor weight, bool signed_weight) -> Tensor");
-  // The whole backward of the local BatchNorm layer (the backward of inplace_abn(_)),
-  // one call as native_batch_norm_backward: backward_reduce's sums where dweight,
-  // dbias or (training) dx / dresidual need them, backward_input with the sums
-  // scaled by 1/n (training) or dropped (eval: the statistics are constants), and
-  // weight_grad. output_mask: (dx, dweight, dbias, dresidual); an output left out
-  // is an empty tensor. dx is in y's dtype (relu: z's).
+  // The whole backward of the local BatchNorm layer (the backward of inplace_abn(_)), one call as
+  // native_batch_norm_backward: backward_reduce's sums where dweight, dbias or (training) dx / dresidual need them,
+  // backward_input with the sums scaled by 1/n (training) or dropped (eval: the statistics are constants), and
+  // weight_grad. output_mask: (dx, dweight, dbias, dresidual); an output left out is an empty tensor. dx is in y's
+  // dtype (relu: z's).
   m.def(
       "bn_backward(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, bool training, bool[4] output_mask, "
       "bool relu=False) -> (Tensor dx, Tensor dweight, Tensor dbias, Tensor dresidual)");
-  // The whole local layer with its autograd in C++ (src/ops/autograd.cpp): batch
-  // statistics and running-statistics update (training), forward_ into x; the
-  // backward is one bn_backward call. relu: the
-  // non-invertible ReLU (activation 0), whose z is kept for backward. Given
-  // num_batches_tracked, adds 1 to it once the layer has run (the module's count).
+  // The whole local layer with its autograd in C++ (src/ops/autograd.cpp): batch statistics and running-statistics
+  // update (training), forward_ into x; the backward is one bn_backward call. relu: the non-invertible ReLU
+  // (activation 0), whose z is kept for backward. Given num_batches_tracked, adds 1 to it once the layer has run
+  // (the module's count).
   m.def(
       "inplace_abn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
       "Tensor? residual, bool training, float momentum, float eps, int activation, float activation_param, "
