@@ -22,9 +22,9 @@ except ImportError as e:  # extension not built: pure backend
     _native_error = e
 
 HAS_NATIVE = _native_error is None
-OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad", "bn_backward")  # CPU, CUDA
-# the SiLU z path (docs/DESIGN.md section 7.2) and the one-pass GroupNorm backward (section 10)
-CPU_OP_NAMES = ("backward_input_from_z_", "gn_backward")
+OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad", "bn_backward",
+            "gn_backward")  # CPU, CUDA
+CPU_OP_NAMES = ("backward_input_from_z_",)  # the SiLU z path (docs/DESIGN.md section 7.2)
 
 
 class _NativeOps:

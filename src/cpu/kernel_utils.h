@@ -6,8 +6,8 @@
 // Memory is walked in its own order (see Walk) as segments that each keep their channel pattern:
 //  - planar (contiguous N, C, S): a segment is (part of) one (n, c) plane; coefficients are broadcast scalars;
 //  - rows (channels-last and (N, C); contiguous with small planes): a segment is (part of) a "super-row" of R = k C
-//    inner elements (k rows of the channel pattern, R >= 256 so short rows still fill vectors); coefficients are
-//    arrays over the super-row, loaded at the segment offset.
+//    inner elements (k rows of the channel pattern, R >= 256 unless the tensor is shorter, so that short rows still
+//    fill vectors); coefficients are arrays over the super-row, loaded at the segment offset.
 // Within a segment: full vectors, then one partial vector (masked load / store). Every element goes through the same
 // vector code, so results do not depend on where segment or thread boundaries fall.
 //

@@ -74,7 +74,7 @@ TORCH_LIBRARY(inplace_abn, m) {
       "inplace_abn(Tensor x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
       "Tensor? residual, bool training, float momentum, float eps, int activation, float activation_param, "
       "bool signed_weight, bool relu=False, Tensor(d!)? num_batches_tracked=None) -> Tensor");
-  // The GroupNorm layer on a contiguous x with its autograd in C++ (the BatchNorm
+  // The GroupNorm layer (x contiguous or channels-last) with its autograd in C++ (the BatchNorm
   // operators in their GroupNorm mode; docs/DESIGN.md section 10).
   m.def(
       "inplace_agn_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
