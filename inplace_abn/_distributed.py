@@ -49,6 +49,11 @@ sums. The sums are computed from the tensors the forward saved, so their
 length 2C and their dtype (float64 for float64 inputs, else float32) are
 exactly the C and precision that the forward verified on every rank.
 
+A rank that refuses its input before its statistics exist still joins the
+forward all_reduce (`refuse_together`: the header says 2^32 - 1 channels),
+so the others fail the channel check at that call instead of pairing their
+all_reduce with the refusing rank's next call.
+
 What this cannot catch: ranks that run the synchronised layers in different
 orders or numbers (divergent control flow) meet mismatched forward and
 backward collectives; that breaks DistributedDataParallel and
@@ -145,8 +150,8 @@ def _check(C: int, precision: int, head: torch.Tensor) -> None:
     """Fail on every rank alike when the reduced header shows disagreement (channels first)."""
     channels_ok, precision_ok = _verdicts(head)
     assert_on_device(channels_ok, (
-        f"InPlaceABNSync: ranks disagree on the channel count (this rank has {C}); every rank must feed "
-        "the layer inputs with the same channels"))
+        f"InPlaceABNSync: ranks disagree on the channel count (this rank has {C}), or a rank refused its "
+        "input (its own error says why); every rank must feed the layer valid inputs with the same channels"))
     mine = "float64" if precision == 2 else "float32"
     assert_on_device(precision_ok, (
         "InPlaceABNSync: ranks disagree on the input precision (some run float64, others a lower "
@@ -203,6 +208,26 @@ def reduce_stats(mean, var, count: int, group, shift=None):
     g_mean = torch.where(has, k + s1, 0.0)
     g_var = (s2 - s1 * s1).clamp_(min=0)
     return g_mean.to(mean.dtype), g_var.to(var.dtype), n_all
+
+
+# The header's channel count from a rank that refused its input (no layer has 2^32 - 1 channels).
+REFUSED = 2**32 - 1
+
+
+def refuse_together(group, *tensors) -> None:
+    """Take part in this call's forward all_reduce for a rank that refused its input before
+    computing anything: the header says REFUSED channels and the body is zeros, so every
+    other rank fails `reduce_stats`'s channel check at this same call instead of waiting for
+    this rank; the caller then raises its own error. Where every rank refused, they all get
+    here and raise theirs. No rank records the call, so the group's length history stays
+    common. tensors: the call's arguments, the first tensor among them giving the device."""
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    state = _state(group)
+    packed = torch.cat([_header_tensor(REFUSED, 1, torch.device(device)),
+                        torch.zeros(state.capacity(), dtype=torch.float64, device=device)])
+    dist.all_reduce(packed, dist.ReduceOp.SUM, group=group)
 
 
 def reduce_grad_sums(sum_gz, sum_gzx, group, count=None):

@@ -493,14 +493,19 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     # The per-channel tensors: the native layers check them before writing anything
     # (abn_layer, src/ops/autograd.cpp), and Python then only to word a refusal as
     # every path does (below); ~14k instructions of a 2x32x7x7 step (docs/DESIGN.md 7.3).
-    _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
-                activation_param, weight_mode, writes_x=not preserve_input)
     exporting = group is None and (torch.compiler.is_exporting() or torch.jit.is_tracing())
-    # the C++ layers: out of place, or in place with a backward to record; eager, native backend
-    native = group is None and not exporting and (
-        _native_eager(x) if preserve_input else _native_autograd(x, (x, weight, bias, residual)))
-    if not native:
-        _check_layer_channels(x, weight, bias, running_mean, running_var)
+    try:
+        _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
+                    activation_param, weight_mode, writes_x=not preserve_input)
+        # the C++ layers: out of place, or in place with a backward to record; eager, native backend
+        native = group is None and not exporting and (
+            _native_eager(x) if preserve_input else _native_autograd(x, (x, weight, bias, residual)))
+        if not native:
+            _check_layer_channels(x, weight, bias, running_mean, running_var)
+    except (ValueError, TypeError, RuntimeError):
+        if group is not None:  # the other ranks wait in this call's all_reduce: they must fail with us
+            _distributed.refuse_together(group, x, weight, running_mean)
+        raise
     if exporting:
         # Export: stock operators, the output is a new tensor (x is not overwritten).
         y = _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
@@ -707,7 +712,9 @@ def inplace_abn_sync(
     while the group learns its layers' lengths, a call may add one more), and
     one all_reduce of 2C values (float64 for float64 inputs, else float32) per
     backward. Ranks that disagree on C or on the precision raise the same
-    ValueError together, at any call. A global count
+    ValueError together, at any call; a rank that refuses its own input (channels
+    that do not match its layer, dtype, ...) raises its error while the others
+    raise at the same call. A global count
     of one value per channel raises the same ValueError on every rank; a
     global count of 0 (every rank empty) returns the empty outputs and leaves
     the running statistics, as torch.nn.BatchNorm does.

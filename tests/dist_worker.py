@@ -466,6 +466,21 @@ def _channel_mismatch(rank, group):
     return out
 
 
+@scenario("refused-input", 2)
+def _refused_input(rank, group):
+    """A rank whose input is refused before the all_reduce (its channels do not match its own
+    layer; an integer tensor): every rank raises at that call, none waits for it, and the
+    refusing rank says why; then every rank refusing; then a valid call goes through."""
+    layer = InPlaceABNSync(4, group=group)
+    good = lambda: torch.randn(2 + rank, 4, 3, 3)  # noqa: E731
+    out = {}
+    out["channels"] = _catch(lambda: layer(torch.randn(2, 6, 3, 3) if rank == 1 else good()))
+    out["dtype"] = _catch(lambda: layer(torch.ones(2, 4, 3, 3, dtype=torch.int64) if rank == 0 else good()))
+    out["every-rank"] = _catch(lambda: layer(torch.randn(2, 5, 3, 3)))
+    out["after"] = _catch(lambda: layer(good()))
+    return out
+
+
 def _protocol(rank, group):
     """Collectives per step: forward 1 (the 11-value header and 2C + 1 float64), backward 1
     (2C in the sums' dtype); the group's first call sends the header alone, then the 2C + 1."""

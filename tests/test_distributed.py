@@ -184,6 +184,20 @@ def test_channel_mismatch_raises_on_every_rank(runs):
         assert rep["after"] is None, "the group fell out of step after the error"
 
 
+def test_refused_input_raises_on_every_rank(runs):
+    """A rank refusing its input before the all_reduce must not leave the others waiting in it
+    (they would hang until the deadline, and the scenario would report a timeout)."""
+    got = reports(runs, "refused-input", 2)
+    refused = "or a rank refused its input"
+    assert got[1]["channels"].startswith("ValueError: inplace_abn: the input has 6 channels"), got[1]
+    assert refused in got[0]["channels"] and got[0]["channels"].startswith(CHANNELS), got[0]
+    assert got[0]["dtype"].startswith("TypeError: inplace_abn: expected a floating point input"), got[0]
+    assert refused in got[1]["dtype"] and got[1]["dtype"].startswith(CHANNELS), got[1]
+    for rank in (0, 1):
+        assert got[rank]["every-rank"].startswith("ValueError: inplace_abn: the input has 5 channels"), got[rank]
+        assert got[rank]["after"] is None, "the group fell out of step after the refusal"
+
+
 @pytest.fixture(scope="module")
 def mismatch_runs(tmp_path_factory):
     return dist_worker.launch(str(tmp_path_factory.mktemp("mismatch")), world=2, suite="mismatch",
