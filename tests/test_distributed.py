@@ -10,7 +10,6 @@ world sizes 1-3 run on subgroups, 4 on the default group. The launch has a
 deadline and every process group a timeout, so a hang fails the tests instead
 of blocking CI.
 """
-import inspect
 import warnings
 
 import pytest
@@ -367,9 +366,6 @@ def test_sync_layers_in_eval_need_no_process_group(backend):
             assert torch.isfinite(layer.eval()(x.clone())).all()
 
 
-@pytest.mark.skipif("device" not in inspect.signature(ABN.__init__).parameters,
-                    reason="SKIPPED UNTIL MERGE: ABN gains device=/dtype= on the factory-kwargs branch "
-                           "(issue 11 item 11); ABNSync already forwards them")
 @pytest.mark.parametrize("cls", [ABNSync, InPlaceABNSync])
 def test_sync_layers_take_factory_kwargs(cls):
     """device= and dtype= as in torch.nn.BatchNorm2d: parameters and buffers made there."""
@@ -379,21 +375,6 @@ def test_sync_layers_take_factory_kwargs(cls):
         for name, t in list(ref.named_parameters()) + list(ref.named_buffers()):
             ours = getattr(layer, name)
             assert (ours.device, ours.dtype, ours.shape) == (t.device, t.dtype, t.shape), (kw, name)
-
-
-def test_abnsync_forwards_factory_kwargs(monkeypatch):
-    """Until the merge: ABNSync hands device= and dtype= to ABN.__init__ as keywords."""
-    seen = {}
-    init = ABN.__init__
-
-    def recording(self, *a, **k):
-        seen.update(k)
-        init(self, *a, **{n: v for n, v in k.items() if n not in ("device", "dtype")
-                          or n in inspect.signature(init).parameters})
-
-    monkeypatch.setattr(ABN, "__init__", recording)
-    ABNSync(3, device="cpu", dtype=torch.float64)
-    assert seen["device"] == "cpu" and seen["dtype"] is torch.float64
 
 
 def test_exported():
