@@ -94,7 +94,9 @@ def test_float64_hostile_channel_means(backend, activation):
 @pytest.mark.parametrize("hostile", [False, True], ids=["ordinary", "hostile"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", INVERTIBLE)
-@pytest.mark.parametrize("layout", ["4d", "4d_channels_last", "5d"])
+# (4d_channels_last's samples do not fill whole mask words, so its SiLU runs the pure kernels
+# on either backend; 4d_channels_last_words takes the native channels-last kernels)
+@pytest.mark.parametrize("layout", ["4d", "4d_channels_last", "4d_channels_last_words", "5d"])
 def test_lower_precision_within_bounds(backend, layout, activation, dtype, hostile):
     """Below float64: within 2x the worse of stock at the same precision and
     the in-place floor (`reference.inplace_floor_gn`), with the floors and
@@ -842,9 +844,9 @@ def test_native_result_independent_of_thread_count(shape, groups, fmt, activatio
 def test_extreme_preactivations(backend, activation, fmt, dtype):
     """Channels scaled far out (gamma up to 1e30, beta up to +-100): y element by
     element against float64 group_norm + activation, every gradient finite,
-    and dx as the reference's at every element whose output keeps its z
-    (SiLU below z ~ -88 / -700 and ELU's flat tail lose it: the in-place floor;
-    their gz ~ 0 keeps them out of the others' dx).
+    and dx, channel by channel, within twice the in-place floor at every element
+    whose output keeps its z (SiLU below z ~ -88 / -700 and ELU's flat tail lose
+    it; their gz ~ 0 keeps them out of the others' dx).
     test_accuracy.py::test_extreme_preactivations has the BatchNorm layer."""
     gammas = [1e-3, 1.0, 10.0, 100.0, 1e4, 1e30, 1.0, 1e-3]
     betas = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -100.0, 100.0]
@@ -866,5 +868,15 @@ def test_extreme_preactivations(backend, activation, fmt, dtype):
     lost = {"silu": -85.0 if dtype == torch.float32 else -700.0,
             "elu": -15.0 if dtype == torch.float32 else -36.0}.get(activation, -float("inf"))
     keep = z > lost
-    dx, dxr = ours["dx"].double()[keep], ref["dx"][keep]
-    assert ((dx - dxr).norm() / dxr.norm()).item() < (1e-4 if dtype == torch.float32 else 1e-9)
+    # Channel by channel (one norm over all would be the gamma = 1e30 group's alone): within
+    # twice the in-place floor (the exact backward from the stored y) or a few ulp.
+    floor = inplace_floor_gn(ours["y"], x, case["dy"], 4, case["w"], case["b"], 1e-5, activation,
+                             PARAM[activation], "signed")
+    ulps = 1e-6 if dtype == torch.float32 else 1e-14
+    for c in range(C):
+        k = keep[:, c]
+        dxr = ref["dx"][:, c][k]
+        scale = dxr.norm().clamp_min(1e-300)
+        err = ((ours["dx"].double()[:, c][k] - dxr).norm() / scale).item()
+        floor_err = ((floor["dx"].double()[:, c][k] - dxr).norm() / scale).item()
+        assert err <= max(2 * floor_err, ulps), f"dx of channel {c} (gamma {gammas[c]}): {err} > 2 x floor {floor_err}"
