@@ -11,6 +11,9 @@ LAYOUTS = {
     "2d": ((64, 6), torch.contiguous_format),
     "3d": ((6, 5, 11), torch.contiguous_format),
     "4d": ((4, 5, 6, 7), torch.contiguous_format),
+    # planes of 144 elements: the CPU kernels' planar walk for every activation (the other
+    # contiguous shapes take the rows walk for ELU and SiLU, src/cpu/kernel_utils.h walk_of)
+    "4d_planes": ((2, 4, 12, 12), torch.contiguous_format),
     "4d_channels_last": ((4, 5, 6, 7), torch.channels_last),
     "5d": ((3, 4, 3, 5, 4), torch.contiguous_format),
     "5d_channels_last_3d": ((3, 4, 3, 5, 4), torch.channels_last_3d),
