@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cases import LAYOUTS, PARAM, errors, floor, make_case, run
-from reference import ACTIVATIONS as REFERENCE_ACTIVATIONS
+from reference import ACTIVATIONS as REFERENCE_ACTIVATIONS, inplace_floor, rel_err
 from inplace_abn import HAS_NATIVE, functions
 from inplace_abn._activation import is_invertible
 
@@ -207,17 +207,25 @@ def test_elu_saturated_half_output_is_the_floor(backend, data, alpha, dtype):
 def test_elu_saturated_full_precision_output_stays_above_minus_alpha(backend, dtype):
     """The forward keeps expm1(z) one ulp above -1, so a float32/float64 output
     never reaches -alpha (only a half-precision store can, which the backward
-    reads as saturated) and z far down the tail is recovered below the
-    storage's own saturation point."""
-    z = torch.tensor([-200.0, -60.0, -40.0, -20.0, -17.0], dtype=torch.float64)
+    reads as saturated), and the backward recovers z from such a y as the exact
+    inverse does (the in-place floor: float64 from the stored y), far down the tail too."""
+    z = torch.tensor([-200.0, -60.0, -40.0, -20.0, -17.0, -3.0, 0.5, 2.0], dtype=torch.float64)
+    dy = torch.linspace(-1.0, 1.5, z.numel(), dtype=torch.float64).view(-1, 1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
     for alpha in (1.0, 0.8, 0.5, 2.0):
         # a one-channel batch whose BatchNorm output is z (beta = mean of z, gamma = std)
-        x = z.to(dtype).view(-1, 1).clone()
         var, mean = torch.var_mean(z, correction=0)
-        y = functions.inplace_abn(x, torch.tensor([(var + 1e-5).sqrt().item() - 1e-5], dtype=dtype),
-                           torch.tensor([mean.item()], dtype=dtype), None, None, True, 0.1, 1e-5, "elu", alpha,
-                           weight_mode="signed")
+        w = torch.tensor([(var + 1e-5).sqrt().item() - 1e-5], dtype=dtype, requires_grad=True)
+        b = torch.tensor([mean.item()], dtype=dtype, requires_grad=True)
+        leaf = z.to(dtype).view(-1, 1).requires_grad_()
+        y = functions.inplace_abn(leaf.clone(), w, b, None, None, True, 0.1, 1e-5, "elu", alpha,
+                                  weight_mode="signed")
         assert bool((y > -alpha).all()), (alpha, y)
+        dx, dw, db = torch.autograd.grad(y, (leaf, w, b), dy.to(dtype))
+        fl = inplace_floor(y, leaf, dy, w, b, None, None, True, 1e-5, "elu", alpha, "signed")
+        for name, ours, ref in (("dx", dx, fl["dx"]), ("dw", dw, fl["dw"]), ("db", db, fl["db"])):
+            err = rel_err(ours.double(), ref.double())
+            assert err <= tol, (alpha, name, err)
 
 
 # SiLU float32 on ordinary data, per output (dx; dw and db together): the
