@@ -1,5 +1,6 @@
 """Module API, drop-in compatibility, errors, memory and the in-place contract."""
 import os
+import subprocess
 import sys
 import warnings
 
@@ -382,6 +383,39 @@ def test_native_extension_is_built():
     assert inplace_abn.HAS_NATIVE, f"the native extension failed to load: {inplace_abn._backend._native_error}"
     for op in inplace_abn._backend.OP_NAMES + inplace_abn._backend.CPU_OP_NAMES:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{op}", "CPU"), op
+
+
+_ISA_PROBE = """
+import hashlib, torch, inplace_abn
+g = torch.Generator().manual_seed(0)
+x = torch.randn(4, 8, 9, 9, generator=g).requires_grad_()
+layer = inplace_abn.InPlaceABN(8, activation="silu")
+y = layer(x.clone())
+dx, = torch.autograd.grad(y, x, torch.randn(4, 8, 9, 9, generator=g))
+print(hashlib.sha1(y.detach().numpy().tobytes() + dx.numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("INPLACE_ABN_REQUIRE_NATIVE"), reason="native build not required here")
+def test_each_cpu_isa_runs_its_own_kernels():
+    """ATEN_CPU_CAPABILITY picks our kernels as it picks PyTorch's: each instruction set up to
+    this run's gives other SiLU bits (the AVX2/AVX512 fitted inverse, the default Halley step),
+    so a build that silently lost its AVX2 or AVX512 kernels (the dispatch would fall back to
+    the next lower ones) fails here. INPLACE_ABN_NO_AVX=1 (the CI's default-only build): every
+    setting runs the default kernels, so all agree."""
+    isas = {"DEFAULT": ["default"], "AVX2": ["default", "avx2"], "AVX512": ["default", "avx2", "avx512"]}
+    levels = isas.get(torch.backends.cpu.get_cpu_capability(), ["default"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    got = {}
+    for isa in levels:
+        env["ATEN_CPU_CAPABILITY"] = isa
+        out = subprocess.run([sys.executable, "-c", _ISA_PROBE], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[isa] = out.stdout.split()[-1]
+    if os.environ.get("INPLACE_ABN_NO_AVX"):
+        assert len(set(got.values())) == 1, got
+    else:
+        assert len(set(got.values())) == len(levels), f"two instruction sets ran the same kernels: {got}"
 
 
 @pytest.mark.skipif(not os.environ.get("INPLACE_ABN_REQUIRE_CUDA_BUILD"), reason="CUDA build not required here")
