@@ -367,13 +367,30 @@ def test_memory_saved_for_backward(backend):
     assert ratio <= 0.55, f"saved bytes ratio {ratio:.3f} ({b_ours} vs {b_stock})"
 
 
-def test_relu_layer_saves_nothing_but_stays_correct(backend):
+def test_relu_layer_says_it_saves_nothing_and_stays_correct(backend, monkeypatch):
+    """ReLU is not invertible: the layer warns that it saves no memory, keeps z (more saved
+    bytes than an invertible activation), and computes stock BatchNorm + ReLU's results
+    (float64 here; tests/test_accuracy.py bounds every dtype and layout)."""
+    monkeypatch.setattr(inplace_abn._activation, "_warned_not_invertible", False)
     x = _x(4, 3, 16, 16)
+    with pytest.warns(RuntimeWarning, match="relu is not invertible.*saves no memory"):
+        InPlaceABN(3, activation="relu")(x.clone())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         relu_net = _stack(lambda c: InPlaceABN(c, activation="relu"), depth=2)
         leaky_net = _stack(lambda c: InPlaceABN(c), depth=2)
         assert model_saved_bytes(relu_net, x) > model_saved_bytes(leaky_net, x)
+        ours, stock = InPlaceABN(3, activation="relu").double(), nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        stock.weight.copy_(ours.weight.abs() + ours.eps)  # the default abs mode scales by |w| + eps
+    x64, dy = _x(4, 3, 5, 6, dtype=torch.float64, seed=1), _x(4, 3, 5, 6, dtype=torch.float64, seed=2)
+    grads = []
+    for layer, act in ((ours, nn.Identity()), (stock, nn.ReLU())):
+        leaf = x64.clone().requires_grad_()
+        y = act(layer(leaf.clone()))
+        grads.append((y.detach(),) + torch.autograd.grad(y, (leaf, layer.weight, layer.bias), dy))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 # ---- build ---------------------------------------------------------------------------
