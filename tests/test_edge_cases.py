@@ -182,26 +182,29 @@ def test_views_of_leaves_are_fine_without_grad(backend):
 
 
 def _bad_inputs():
-    yield "expanded input", lambda: (torch.randn(1, 4, 3, 3).expand(5, 4, 3, 3), None)
-    yield "one value per channel", lambda: (torch.randn(1, 4), None)
-    yield "wrong channel count", lambda: (torch.randn(5, 3, 2), None)
-    yield "residual of another shape", lambda: (torch.randn(5, 4, 2), torch.randn(5, 4, 3))
+    """(name, the error message it must raise, a maker of (x, residual))."""
+    yield "expanded input", "several elements of x share one memory location", \
+        lambda: (torch.randn(1, 4, 3, 3).expand(5, 4, 3, 3), None)
+    yield "one value per channel", "more than 1 value per channel", lambda: (torch.randn(1, 4), None)
+    yield "wrong channel count", "the input has 3 channels but weight has shape", lambda: (torch.randn(5, 3, 2), None)
+    yield "residual of another shape", "residual must have the input's shape", \
+        lambda: (torch.randn(5, 4, 2), torch.randn(5, 4, 3))
     x = torch.randn(5, 4, 2)
-    yield "residual is x", lambda: (x, x)
+    yield "residual is x", "residual shares memory with x", lambda: (x, x)
     leaf = torch.randn(10, 4, 2, requires_grad=True)
-    yield "view of a leaf", lambda: (leaf[:5], None)
+    yield "view of a leaf", "x is a view of a leaf tensor that requires grad", lambda: (leaf[:5], None)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("case", range(6))
 def test_refused_input_leaves_state_untouched(backend, case, momentum):
-    name, make = list(_bad_inputs())[case]
+    name, message, make = list(_bad_inputs())[case]
     layer = InPlaceABN(4, momentum=momentum, activation="elu", activation_param=1.0)
     layer(torch.randn(6, 4, 2))  # one real batch first: num_batches_tracked = 1
     before = _layer_state(layer)
     x, residual = make()
     x_before = x.detach().clone()
-    with pytest.raises((RuntimeError, ValueError)):
+    with pytest.raises((RuntimeError, ValueError), match=message):
         layer(x, residual=residual)
     _assert_same_state(before, layer)
     assert torch.equal(x.detach(), x_before), name
