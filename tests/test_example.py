@@ -89,7 +89,8 @@ def test_diffusion_unet_example_trains_both_models_alike(tmp_path):
     stock, conv = out["losses"]["stock"], out["losses"]["converted"]
     assert len(stock) == len(conv) == 12
     assert _falls(stock) and _falls(conv), (stock, conv)
-    # same weights, same batches: the two runs differ by float32 rounding only
-    assert all(abs(a - b) <= 0.05 * abs(a) for a, b in zip(stock, conv)), (stock, conv)
+    # same weights, same batches: the two runs differ by float32 rounding only (measured: at
+    # most 1.2e-6 relative over the 12 steps; a 10% error in one term of dx moved them by 2.8%)
+    assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(stock, conv)), (stock, conv)
     assert out["saved_mib"]["converted"] < 0.7 * out["saved_mib"]["stock"]
     assert "converted / stock: saved memory" in proc.stdout and "InPlaceAGN" in proc.stdout
