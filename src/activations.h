@@ -91,7 +91,7 @@ struct IsSingle {
 //   inverse_deriv(y, left, p, d) -> z = f^-1(y), and d = f'(z) (one call for the backward kernels, sharing the
 //     work); `left` is the SiLU branch flag: 0, or set (1, or all bits set where a vector policy says so: only
 //     selects read it)
-//   inverse(y, left, p), deriv(y, z, p): the two parts, where they are separate
+//   inverse(y, left, p), deriv(y, z, p): the two parts (leaky_relu, ELU)
 template <Act A, class M>
 struct Activation;
 
@@ -99,8 +99,6 @@ template <class M>
 struct Activation<Act::Identity, M> {
   using T = typename M::T;
   static IABN_HD T forward(T z, T) { return z; }
-  static IABN_HD T inverse(T y, T, T) { return y; }
-  static IABN_HD T deriv(T, T, T) { return M::c(1.0); }
   static IABN_HD T inverse_deriv(T y, T, T, T& d) {
     d = M::c(1.0);
     return y;
