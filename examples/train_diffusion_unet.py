@@ -15,10 +15,10 @@ backward (inplace_abn.memory) and their ratio.
     python examples/train_diffusion_unet.py --image-size 64 --channels 32 64 64 128 --layers-per-block 2
                                                         # the UNet of benchmarks/bench_unet.py
 
-The default size is small because InPlaceAGN's operators still run as
-pure-PyTorch code (several times slower than stock GroupNorm + SiLU on the
-CPU until native kernels land; docs/DESIGN.md section 10). On a CPU shared
-with other jobs, --threads 1 avoids the thread pool's waiting.
+The default size is small so that the example runs in minutes on a CPU
+(InPlaceAGN runs native kernels, docs/DESIGN.md section 10; the convolutions
+dominate the step). On a CPU shared with other jobs, --threads 1 avoids the
+thread pool's waiting.
 """
 import argparse
 import copy
