@@ -223,10 +223,10 @@ def refuse_together(group, *tensors) -> None:
     common. tensors: the call's arguments, the first tensor among them giving the device."""
     device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    state = _state(group)
-    packed = torch.cat([_header_tensor(REFUSED, 1, torch.device(device)),
-                        torch.zeros(state.capacity(), dtype=torch.float64, device=device)])
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    packed = torch.cat([_header_tensor(REFUSED, 1, device),
+                        torch.zeros(_state(group).capacity(), dtype=torch.float64, device=device)])
     dist.all_reduce(packed, dist.ReduceOp.SUM, group=group)
 
 

@@ -404,13 +404,10 @@ def test_native_extension_is_built():
 
 # (inputs from Python's random: torch.randn's own kernels differ between the capabilities)
 _ISA_PROBE = """
-import hashlib, random, torch, inplace_abn
+import hashlib, math, random, torch, inplace_abn
 rng = random.Random(0)
 def randn(*shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.tensor([rng.gauss(0.0, 1.0) for _ in range(n)], dtype=torch.float32).view(shape)
+    return torch.tensor([rng.gauss(0.0, 1.0) for _ in range(math.prod(shape))], dtype=torch.float32).view(shape)
 x = randn(4, 8, 9, 9).requires_grad_()
 layer = inplace_abn.InPlaceABN(8, activation="silu")
 y = layer(x.clone())
