@@ -67,8 +67,8 @@ def measure(shape, channels_last, act, repeats):
         ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, code, p, False, z)
         z_path = (
             _median_ms(lambda: ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, code, p, False, zwork), repeats),
-            _median_ms(lambda: ops.backward_input_from_z_(zwork.copy_(z), dy, var, w, b, None, sg, sgx, 1e-5, code, p,
-                                                          False, False), repeats) - t_copy,
+            _median_ms(lambda: ops.backward_input_from_z_(zwork.copy_(z), y, dy, var, w, b, None, sg, sgx, 1e-5, code,
+                                                          p, False, False), repeats) - t_copy,
         )
     return (
         _median_ms(lambda: ops.batch_stats(x), repeats),

@@ -162,7 +162,7 @@ def _register_fakes():
         return dx, dr
 
     @torch.library.register_fake("inplace_abn::backward_input_from_z_")
-    def _(z, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param, signed_weight,
+    def _(z, y, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param, signed_weight,
           residual_grad, sums_scale=1.0, groups=0):
         return torch.empty_like(z) if residual_grad else z.new_empty(0)
 

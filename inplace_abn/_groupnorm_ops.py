@@ -16,7 +16,7 @@ operators of ``src/ops/library.cpp``::
                 Tensor? bias, Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps,
                 int activation, float activation_param, bool signed_weight,
                 bool residual_grad) -> (Tensor dx, Tensor dresidual)
-    gn_backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, ..., bool residual_grad)
+    gn_backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, ..., bool residual_grad)
                 -> Tensor dresidual                 dx written over the z of z_out (section 7.2)
 
 G is ``mean.shape[1]`` (``var.shape[1]``) after ``gn_stats``. Statistics and
@@ -54,7 +54,7 @@ SCHEMAS = {
     # SiLU, float32/float64 (docs/DESIGN.md section 7.2): dx from the z that
     # gn_backward_reduce stored in z_out, written over z; returns dresidual
     "gn_backward_input_from_z_": (
-        "gn_backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, "
+        "gn_backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, "
         "Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps, int activation, float activation_param, "
         "bool signed_weight, bool residual_grad) -> Tensor"),
 }
@@ -132,7 +132,7 @@ def _gn_dx(fp, xhat, g, y, dy, var, mean_ggz, mean_ggzx, eps, residual_grad):
     return dx.to(y.dtype), dr
 
 
-def gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+def gn_backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
                               residual_grad):
     fp, xhat, g = _pure.from_z(z, weight, bias, residual, eps, signed)
     dx, dr = _gn_dx(fp, xhat, g, z, dy, var, mean_ggz, mean_ggzx, eps, residual_grad)
@@ -197,12 +197,13 @@ def native_gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz,
                               residual_grad, 1.0, var.shape[1])
 
 
-def native_gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
-                                    residual_grad):
-    if not _native_ok(z, act) or z.numel() == 0 or not z.is_cpu:
-        return gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p,
+def native_gn_backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p,
+                                    signed, residual_grad):
+    # (the fallback condition is native_gn_backward_reduce's: z holds what that reduce kept)
+    if not _native_ok(y, act) or y.numel() == 0 or not y.is_cpu:
+        return gn_backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p,
                                          signed, residual_grad)
-    return _BN.backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
+    return _BN.backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
                                       residual_grad, 1.0, var.shape[1])
 
 
@@ -256,7 +257,7 @@ def _register():
         return torch.empty_like(y), (torch.empty_like(y) if residual_grad else y.new_empty(0))
 
     @torch.library.register_fake("inplace_abn::gn_backward_input_from_z_", lib=_lib)
-    def _(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, activation_param, signed_weight,
+    def _(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, activation_param, signed_weight,
           residual_grad):
         return torch.empty_like(z) if residual_grad else z.new_empty(0)
 

@@ -337,7 +337,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
                 dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, g_gz, g_gzx, eps, act, p,
                                             signed, need_r, scale, **relu)
             else:
-                dx, dr = z, ops.backward_input_from_z_(z, dy, var, weight, bias, residual, g_gz, g_gzx, eps, act,
+                dx, dr = z, ops.backward_input_from_z_(z, y, dy, var, weight, bias, residual, g_gz, g_gzx, eps, act,
                                                        p, signed, need_r, scale)
             dx = dx.to(dtype) if need_x else None
             dr = dr.to(dtype) if need_r else None

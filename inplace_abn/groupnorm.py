@@ -81,7 +81,7 @@ class _InPlaceAGNFunction(torch.autograd.Function):
                 dx, dr = ops.gn_backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
                                                act, p, signed, need_r)
             else:
-                dx, dr = z, ops.gn_backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx,
+                dx, dr = z, ops.gn_backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx,
                                                           eps, act, p, signed, need_r)
             dx = dx.to(dtype) if need_x else None
             dr = dr.to(dtype) if need_r else None

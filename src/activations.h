@@ -238,6 +238,9 @@ struct Activation<Act::Silu, M> {
     return z;
   }
 
+  // f'(z) = (h + z (h - 1)) / h^2 from z and h = 1 + e^-z
+  static IABN_HD T h_deriv(T z, T h) { return M::fma(z, h - M::c(1.0), h) * M::rcp(h * h); }
+
   // f'(z) = s (1 + z (1 - s)) from z itself (z >= zmin, as the inverse returns)
   static IABN_HD T deriv_of_z(T z) {
     T e = M::exp_capped(M::c(0.0) - z);
@@ -245,21 +248,43 @@ struct Activation<Act::Silu, M> {
     return s * M::fma(z, e * s, M::c(1.0));
   }
 
-  // z = f^-1(y) on the branch `left` (0/1) and d = f'(z).
-  static IABN_HD IABN_SILU_INVERSE_INLINE T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters) {
+  // z = f^-1(y) on the branch `left` (0/1) and d = f'(z); with `kept`, also what from_kept needs besides y to
+  // give z and d again: h where the table applies (z = y h and d as here, bitwise), the rare other lanes z
+  // itself, coded as -z (right branch, z > 8) or z / 1024 (left branch, z < -1.2): both negative, unlike h > 1.
+  static IABN_HD IABN_SILU_INVERSE_INLINE T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters,
+                                                          T* kept = nullptr) {
     if constexpr (M::kSiluTable) {
       T h;
       const T y = M::max(y_in, M::c(kSiluYStar));
       const T outside = M::silu_table(y, left, h);  // a flag per lane
       const T z = y * h;
-      dfdz = M::fma(z, h - M::c(1.0), h) * M::rcp(h * h);
+      dfdz = h_deriv(z, h);
+      if (kept) *kept = h;
       if (!M::any(outside)) return z;
       T dh;
       const T zh = halley_inverse_deriv(y, left, dh, iters);
       dfdz = M::if_set(outside, dh, dfdz);
+      if (kept) *kept = M::if_set(outside, M::if_set(left, zh * M::c(1.0 / 1024), M::c(0.0) - zh), h);
       return M::if_set(outside, zh, z);
     }
-    return halley_inverse_deriv(y_in, left, dfdz, iters);
+    const T z = halley_inverse_deriv(y_in, left, dfdz, iters);
+    if (kept) *kept = z;
+    return z;
+  }
+
+  // z and d = f'(z) from y and what inverse_deriv kept.
+  static IABN_HD T from_kept(T y_in, T t, T& dfdz) {
+    if constexpr (M::kSiluTable) {
+      const T z = M::max(y_in, M::c(kSiluYStar)) * t;
+      dfdz = h_deriv(z, t);
+      const T coded = M::if_less(t, M::c(0.0), M::c(1.0), M::c(0.0));
+      if (!M::any(coded)) return z;
+      const T zc = M::if_less(t, M::c(-1.0), M::c(0.0) - t, t * M::c(1024.0));
+      dfdz = M::if_set(coded, deriv_of_z(zc), dfdz);
+      return M::if_set(coded, zc, z);
+    }
+    dfdz = deriv_of_z(t);
+    return t;
   }
 
   // The guess and Halley steps (all policies; see above).

@@ -418,7 +418,7 @@ def test_silu_backward_from_z(backend, shape, fmt, residual):
     for got, want in zip(sums, ops.gn_backward_reduce(y, dy, mask, w, b, r, 1e-5, act, 0.0, True)):
         assert torch.equal(got, want)
     mg, mgx = torch.randn(3, G, generator=g), torch.randn(3, G, generator=g)
-    args = (dy, var, w, b, r, mg, mgx, 1e-5, act, 0.0, True, residual)
+    args = (y, dy, var, w, b, r, mg, mgx, 1e-5, act, 0.0, True, residual)
     if backend == "native":
         torch.library.opcheck(torch.ops.inplace_abn.gn_backward_reduce.default,
                               (y, dy, mask, w, b, r, 1e-5, act, 0.0, True, torch.empty_like(y)))
@@ -478,7 +478,7 @@ def test_batchnorm_operators_in_groupnorm_mode(act, residual, fmt):
     if act == _activation.SILU:
         z = torch.empty_like(y)
         ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, False, z, G)
-        from_z = (dy, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual, 1.0, G)
+        from_z = (y, dy, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual, 1.0, G)
         torch.library.opcheck(ops.backward_input_from_z_.default, (z.clone(),) + from_z)
         ops.backward_input_from_z_(z, *from_z)
         torch.testing.assert_close(z, pure.gn_backward_input(*input_args)[0], rtol=1e-5, atol=1e-4)

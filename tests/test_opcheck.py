@@ -1,6 +1,8 @@
 """torch.library.opcheck for every native operator: schema (including the
 mutation annotation of forward_), fake kernels, and AOT dispatch, in
 training and eval signatures, for every activation and both layouts."""
+import os
+
 import pytest
 import torch
 
@@ -73,7 +75,7 @@ def _separate_backward(y, dy, mask, var, w, b, r, act, p, signed, training, need
     dx = dr = None
     if need_x or need_r:
         if keep_z:
-            dx, dr = z, ops.backward_input_from_z_(z, dy, var, w, b, r, g1, g2, 1e-5, act, p, signed, need_r, scale)
+            dx, dr = z, ops.backward_input_from_z_(z, y, dy, var, w, b, r, g1, g2, 1e-5, act, p, signed, need_r, scale)
         else:
             dx, dr = ops.backward_input(y, dy, mask, var, w, b, r, g1, g2, 1e-5, act, p, signed, need_r, scale, 0,
                                         relu)
@@ -219,15 +221,57 @@ def test_opcheck_silu_backward_from_z(dtype, fmt, residual):
     for got, want in zip((s_g, s_gx), ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, True)):
         assert torch.equal(got, want)  # keeping z changes nothing in the sums
     n = x.numel() // x.shape[1]
-    args = (dy, var, w, b, r, (s_g / n).to(var.dtype), (s_gx / n).to(var.dtype), 1e-5, act, p, True, residual)
+    args = (y, dy, var, w, b, r, (s_g / n).to(var.dtype), (s_gx / n).to(var.dtype), 1e-5, act, p, True, residual)
     torch.library.opcheck(ops.backward_input_from_z_.default, (z.clone(),) + args)
-    dx_ref, dr_ref = ops.backward_input(y, dy, mask, var, w, b, r, *args[5:])
+    dx_ref, dr_ref = ops.backward_input(y, dy, mask, var, w, b, r, *args[6:])
     dr = ops.backward_input_from_z_(z, *args)
     tol = 8 * torch.finfo(dtype).eps
     torch.testing.assert_close(z, dx_ref, rtol=0, atol=tol * dx_ref.abs().max().item())
     assert z.stride() == y.stride()
     if residual:
         torch.testing.assert_close(dr, dr_ref, rtol=0, atol=tol * dr_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_silu_backward_from_z_across_the_range(dtype, fmt):
+    """What backward_reduce keeps for backward_input_from_z_ (docs/DESIGN.md section 7.2) over
+    the whole range of z: the left tail down to the clamp at -87 and the right branch above
+    y = 8, which the AVX2/AVX512 float32 kernels keep coded (-z, z / 1024) rather than as
+    h = y / z, z* and 0: dx as backward_input's to a few ulp, and bitwise where the fit
+    applies on those kernels (both passes then take z and f'(z) from the same h)."""
+    ops, act = torch.ops.inplace_abn, _activation.SILU
+    z_star = -1.2784645427610738
+    values = torch.cat([torch.linspace(-95.0, -3.0, 101), torch.linspace(-3.0, 0.0, 97), torch.tensor([z_star, 0.0]),
+                        torch.linspace(0.0, 8.0, 61), torch.linspace(8.0, 40.0, 53), torch.tensor([60.0, 100.0])])
+    shape = (2, 4, 8, 8)
+    n = shape[0] * shape[2] * shape[3]
+    g = torch.Generator().manual_seed(5)
+    z = values[torch.arange(n * shape[1]) % values.numel()].view(shape[1], shape[0], shape[2], shape[3])
+    x = z.transpose(0, 1).to(dtype).contiguous(memory_format=fmt)
+    C = shape[1]
+    # identity normalisation (mean 0, var 1 - eps, weight 1, bias 0): the kernels see z = x
+    mean, var = torch.zeros(C, dtype=x.dtype), torch.full((C,), 1 - 1e-5, dtype=x.dtype)
+    w, b = torch.ones(C), torch.zeros(C)
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, None, 1e-5, act, 0.0, False)
+    dy = torch.randn(shape, generator=g, dtype=dtype).contiguous(memory_format=fmt)
+    kept = torch.empty_like(y)
+    s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, act, 0.0, False, kept)
+    for got, want in zip((s_g, s_gx), ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, act, 0.0, False)):
+        assert torch.equal(got, want)
+    mg, mgx = (s_g / n).to(var.dtype), (s_gx / n).to(var.dtype)
+    dx_ref, _ = ops.backward_input(y, dy, mask, var, w, b, None, mg, mgx, 1e-5, act, 0.0, False, False)
+    ops.backward_input_from_z_(kept, y, dy, var, w, b, None, mg, mgx, 1e-5, act, 0.0, False, False)
+    assert torch.isfinite(kept).all()
+    tol = 8 * torch.finfo(dtype).eps
+    torch.testing.assert_close(kept, dx_ref, rtol=0, atol=tol * dx_ref.abs().max().item())
+    table = (dtype == torch.float32 and not os.environ.get("INPLACE_ABN_NO_AVX")
+             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+    if table:
+        fitted = (y <= 8) & ~((x < z_star) & (y > -0.1))
+        assert 0 < fitted.sum() < y.numel()
+        assert torch.equal(kept[fitted], dx_ref[fitted])
 
 
 def test_z_path_refuses_what_it_cannot_do():
@@ -241,6 +285,13 @@ def test_z_path_refuses_what_it_cannot_do():
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 1, 0.1, False, torch.empty_like(y))
     with pytest.raises(RuntimeError, match="shape, strides and dtype"):
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 3, 0.0, False, torch.empty(3))
+    g = torch.zeros(y.shape[1])
+    with pytest.raises(RuntimeError, match="must not share y's memory"):
+        ops.backward_input_from_z_(y, y, torch.randn_like(y), var.float(), w, b, None, g, g, 1e-5, 3, 0.0, False,
+                                   False)
+    with pytest.raises(RuntimeError, match="shape, strides and dtype"):
+        ops.backward_input_from_z_(torch.empty_like(y).double(), y, torch.randn_like(y), var.float(), w, b, None, g,
+                                   g, 1e-5, 3, 0.0, False, False)
 
 
 @pytest.mark.parametrize("dtype,kept", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, False)],

@@ -19,6 +19,7 @@ void backward_input_t(const KernelArgs& a) {
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   const MaskBits mask = mask_bits(a.mask, A == Act::Silu && !FROMZ);
+  const S* kept = FROMZ ? a.z.const_data_ptr<S>() : nullptr;
   S* dx = a.out1.data_ptr<S>();
   S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
   const V p(static_cast<F>(a.param));
@@ -28,9 +29,8 @@ void backward_input_t(const KernelArgs& a) {
       constexpr bool FULL = decltype(full)::value;
       const V yv = io::template ld<FULL>(y + i, cnt), gv = io::template ld<FULL>(dy + i, cnt);
       V d, z;
-      if constexpr (FROMZ) {  // yv holds z (backward_input_from_z_)
-        z = yv;
-        d = Ac::deriv_of_z(z);
+      if constexpr (FROMZ) {  // from what backward_reduce kept (backward_input_from_z_)
+        z = Ac::from_kept(yv, io::template ld<FULL>(kept + i, cnt), d);
       } else {
         const V left = A == Act::Silu ? from_bits<F>(mask(i, cnt)) : V(F(0));
         z = Ac::inverse_deriv(yv, left, p, d);

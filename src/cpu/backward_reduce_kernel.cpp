@@ -18,7 +18,7 @@ void backward_reduce_t(const KernelArgs& a) {
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   const MaskBits mask = mask_bits(a.mask, MASK);
-  // z for backward_input_from_z_ (SiLU, S = F: the front end checks)
+  // what backward_input_from_z_ needs of the inverse besides y (SiLU, S = F: the front end checks)
   F* zout = ZOUT ? a.z.data_ptr<F>() : nullptr;
   const V p(static_cast<F>(a.param));
   const int64_t C = a.g.C;
@@ -33,9 +33,14 @@ void backward_reduce_t(const KernelArgs& a) {
           if constexpr (RES) prefetch(res + i + kPrefetch);
         }
         const V left = MASK ? from_bits<F>(mask(i, cnt)) : V(F(0));
-        V d;
-        const V z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d);
-        if constexpr (ZOUT) FULL ? z.store(zout + i) : z.store(zout + i, cnt);
+        V d, z;
+        if constexpr (ZOUT) {
+          V kept;
+          z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d, Ac::kIters, &kept);
+          FULL ? kept.store(zout + i) : kept.store(zout + i, cnt);
+        } else {
+          z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d);
+        }
         V gz = io::template ld<FULL>(dy + i, cnt) * d;
         if constexpr (RELU) gz = sel<Cmp::Ge>(V(F(0)), z, V(F(0)), gz);  // threshold_backward(dy, z, 0): NaN z keeps dy
         V zc = z - co.get(0, j);

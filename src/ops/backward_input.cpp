@@ -1,6 +1,7 @@
 // inplace_abn::backward_input: dx = g~ r (gz - k mean_gz - xhat k mean_gz_xhat), k = sums_scale, and gz (the
-// residual's gradient) when asked; backward_input_from_z_: the same from z = f^-1(y) stored by backward_reduce, dx
-// written over z. Kernels: src/cpu/backward_input_kernel.cpp, src/cuda/backward_input_kernel.cu.
+// residual's gradient) when asked; backward_input_from_z_: the same from y and what backward_reduce kept of
+// z = f^-1(y) (docs/DESIGN.md section 7.2), dx written over it.
+// Kernels: src/cpu/backward_input_kernel.cpp, src/cuda/backward_input_kernel.cu.
 #include "ops/backward_passes.h"
 #include "ops/ops.h"
 
@@ -20,18 +21,18 @@ std::array<ChannelInput, 5> input_args(const at::Tensor& y, const Groups& grp, c
 
 // a = g~ r, b = -r k mean_gz_xhat, c0 = -g~ r k mean_gz (rows of kernel.h's InputRow), k = sums_scale.
 // GroupNorm passes the (N, G) means of g~ gz and g~ gz xhat: BatchNorm's means times g~_c.
-void input_pass(const Groups& grp, const at::Tensor& x, const at::Tensor& gy, bool kernel_relu, bool from_z,
+void input_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu, bool from_z,
                 const at::Tensor& mask, const std::array<ChannelInput, 5>& in, bool has_weight, const at::Tensor& res,
                 double eps, Act act, double param, bool signed_weight, double sums_scale, const at::Tensor& dx,
-                const at::Tensor& dres, const Geometry& g, const char* name) {
-  const at::Tensor xv = grp.view(x);
+                const at::Tensor& dres, const Geometry& g) {
+  const at::Tensor yv = grp.view(y), dxv = grp.view(dx);
   const at::Tensor coef =
-      coef_table<Table::Input>(xv, in, {.eps = eps, .has_weight = has_weight, .signed_weight = signed_weight,
-                                        .groupnorm = grp.G > 0, .sums_scale = sums_scale}, grp.columns(x));
+      coef_table<Table::Input>(yv, in, {.eps = eps, .has_weight = has_weight, .signed_weight = signed_weight,
+                                        .groupnorm = grp.G > 0, .sums_scale = sums_scale}, grp.columns(y));
   grp.run(backward_input_stub,
-          {.x = xv, .dy = grp.view(gy), .residual = grp.view(res), .mask = from_z ? at::Tensor() : mask,
-           .coef = coef, .out1 = from_z ? xv : grp.view(dx), .out2 = grp.view(dres), .from_z = from_z,
-           .relu = kernel_relu, .g = grp.G ? geometry_of(xv, name) : g, .act = act, .param = param},
+          {.x = yv, .dy = grp.view(gy), .residual = grp.view(res), .mask = from_z ? at::Tensor() : mask,
+           .coef = coef, .out1 = dxv, .out2 = grp.view(dres), .z = from_z ? dxv : at::Tensor(), .from_z = from_z,
+           .relu = kernel_relu, .g = grp.G ? geometry_of(yv, "y") : g, .act = act, .param = param},
           false);
 }
 
@@ -54,28 +55,30 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
   c10::OptionalDeviceGuard guard(y.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
   input_pass(grp, y, like(gy, y), kernel_relu, false, mask, in, weight.has_value(), like(residual, y), eps, act,
-             activation_param, signed_weight, sums_scale, dx, residual_grad ? dres : at::Tensor(), g, "y");
+             activation_param, signed_weight, sums_scale, dx, residual_grad ? dres : at::Tensor(), g);
   return {dx, dres};
 }
 
-at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, const at::Tensor& var,
-                                  const OptTensor& weight, const OptTensor& bias, const OptTensor& residual,
-                                  const at::Tensor& mean_gz, const at::Tensor& mean_gz_xhat, double eps,
-                                  int64_t activation, double activation_param, bool signed_weight,
-                                  bool residual_grad, double sums_scale, int64_t groups) {
-  check_input(z, "z");
+at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, const at::Tensor& dy,
+                                  const at::Tensor& var, const OptTensor& weight, const OptTensor& bias,
+                                  const OptTensor& residual, const at::Tensor& mean_gz,
+                                  const at::Tensor& mean_gz_xhat, double eps, int64_t activation,
+                                  double activation_param, bool signed_weight, bool residual_grad, double sums_scale,
+                                  int64_t groups) {
+  check_input(y, "y");
   const Act act = to_act(activation);
-  check_z(z, z, act, "z");
-  check_like(dy, z, "dy");
-  check_like(residual, z, "residual");
-  const Groups grp(z, groups);
-  const auto in = input_args(z, grp, var, weight, bias, mean_gz, mean_gz_xhat, sums_scale);
-  const Geometry g = z.numel() > 0 ? geometry_of(z, "z") : Geometry{};
-  at::Tensor dres = residual_grad ? new_like(z) : new_empty({0}, z.options());
-  if (z.numel() == 0) return dres;
+  check_z(z, y, act, "z");
+  TORCH_CHECK(!z.is_alias_of(y), "inplace_abn: backward_input_from_z_ writes dx over z, which must not share y's memory");
+  check_like(dy, y, "dy");
+  check_like(residual, y, "residual");
+  const Groups grp(y, groups);
+  const auto in = input_args(y, grp, var, weight, bias, mean_gz, mean_gz_xhat, sums_scale);
+  const Geometry g = y.numel() > 0 ? geometry_of(y, "y") : Geometry{};
+  at::Tensor dres = residual_grad ? new_like(y) : new_empty({0}, y.options());
+  if (y.numel() == 0) return dres;
   const TableGuard table_guard;
-  input_pass(grp, z, like(dy, z), false, true, at::Tensor(), in, weight.has_value(), like(residual, z), eps, act,
-             activation_param, signed_weight, sums_scale, z, residual_grad ? dres : at::Tensor(), g, "z");
+  input_pass(grp, y, like(dy, y), false, true, at::Tensor(), in, weight.has_value(), like(residual, y), eps, act,
+             activation_param, signed_weight, sums_scale, z, residual_grad ? dres : at::Tensor(), g);
   return dres;
 }
 

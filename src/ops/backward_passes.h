@@ -13,18 +13,18 @@ std::array<ChannelInput, 5> input_args(const at::Tensor& y, const Groups& grp, c
                                        const OptTensor& weight, const OptTensor& bias, const OptTensor& mean_gz,
                                        const OptTensor& mean_gz_xhat, double sums_scale);
 
-// The reduce pass: sum_gz, sum_gz_xhat (and z = f^-1(y) into z when defined). gy: dy as the kernels read it
+// The reduce pass: sum_gz, sum_gz_xhat (and into z when defined, what the input pass needs of f^-1(y) besides y). gy: dy as the kernels read it
 // (relu_dy, in y's dtype and layout); res: the residual likewise, or undefined.
 void reduce_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu,
                  const at::Tensor& mask, const OptTensor& weight, const OptTensor& bias, const at::Tensor& res,
                  double eps, Act act, double param, bool signed_weight, const at::Tensor& z, const at::Tensor& sum_gz,
                  const at::Tensor& sum_gz_xhat);
 
-// The input pass: dx into dx, gz into dres when defined. from_z: x holds z (the reduce pass's z) and dx is x.
-// g: x's geometry (BatchNorm; GroupNorm takes that of the view).
-void input_pass(const Groups& grp, const at::Tensor& x, const at::Tensor& gy, bool kernel_relu, bool from_z,
+// The input pass: dx into dx, gz into dres when defined. from_z: dx holds what the reduce pass kept in z, read
+// before dx is written over it. g: y's geometry (BatchNorm; GroupNorm takes that of the view).
+void input_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu, bool from_z,
                 const at::Tensor& mask, const std::array<ChannelInput, 5>& in, bool has_weight, const at::Tensor& res,
                 double eps, Act act, double param, bool signed_weight, double sums_scale, const at::Tensor& dx,
-                const at::Tensor& dres, const Geometry& g, const char* name);
+                const at::Tensor& dres, const Geometry& g);
 
 }  // namespace inplace_abn

@@ -60,8 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
                       std::vector<c10::IValue>());
       const auto in = input_args(y, grp, var, weight, bias, reduce ? OptTensor(sum_gz) : std::nullopt,
                                  reduce ? OptTensor(sum_gzx) : std::nullopt, scale);
-      input_pass(grp, keep_z ? dx : y, gyl, kernel_relu, keep_z, mask, in, weight.has_value(), res, eps, act,
-                 activation_param, signed_weight, scale, dx, dres, g, keep_z ? "z" : "y");
+      input_pass(grp, y, gyl, kernel_relu, keep_z, mask, in, weight.has_value(), res, eps, act, activation_param,
+                 signed_weight, scale, dx, dres, g);
     }
   }
   at::Tensor dw, db;

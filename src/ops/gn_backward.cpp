@@ -45,7 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
   const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
   at::Tensor dx = z, dres;
   if (keep_z)
-    dres = backward_input_from_z_(z, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, param,
+    dres = backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, param,
                                   signed_weight, residual_grad, 1.0, G);
   else
     std::tie(dx, dres) = backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,

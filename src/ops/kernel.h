@@ -32,8 +32,9 @@ struct KernelArgs {
   // batch_stats: mean, var; backward_reduce: sum_gz, sum_gz_xhat (the
   // accumulation dtype); backward_input: dx and dresidual (undefined unless wanted)
   at::Tensor out1, out2;
-  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce stores z = f^-1(y) here when
-  // defined; backward_input with from_z reads z from x (no inversion) and overwrites it with dx (out1 is x)
+  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce stores here, when defined, what
+  // the input pass needs of z = f^-1(y) besides y (activations.h, inverse_deriv's `kept`); backward_input with
+  // from_z reads it with y (no inversion) and overwrites it with dx (out1 is z)
   at::Tensor z;
   bool from_z = false;
   // backward_reduce / backward_input of a ReLU layer (activation 0, CPU): x holds

@@ -84,11 +84,11 @@ TORCH_LIBRARY(inplace_abn, m) {
   m.def(
       "inplace_agn(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
       "int activation, float activation_param, bool signed_weight) -> Tensor");
-  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce
-  // stored z = f^-1(y) in z_out; the dx of backward_input from z, written over z
-  // (so the second pass skips the inversion and allocates nothing). Returns dresidual.
+  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce kept in
+  // z_out what the second pass needs of z = f^-1(y) besides y; the dx of backward_input from
+  // y and it, written over it (no inversion, nothing allocated). Returns dresidual.
   m.def(
-      "backward_input_from_z_(Tensor(a!) z, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
+      "backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, bool signed_weight, "
       "bool residual_grad, float sums_scale=1.0, int groups=0) -> Tensor dresidual");
   // The GroupNorm backward (groups > 0; docs/DESIGN.md section 10): dx, dresidual

@@ -38,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
 
 at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, bool signed_weight);
 
-at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& dy, const at::Tensor& var,
+at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, const at::Tensor& dy, const at::Tensor& var,
                                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                   const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz,
                                   const at::Tensor& mean_gz_xhat, double eps, int64_t activation,
