@@ -17,7 +17,7 @@ operators of ``src/ops/library.cpp``::
                 int activation, float activation_param, bool signed_weight,
                 bool residual_grad) -> (Tensor dx, Tensor dresidual)
     gn_backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, ..., bool residual_grad)
-                -> Tensor dresidual                 dx written over the z of z_out (section 7.2)
+                -> Tensor dresidual      dx from y and z_out's kept inverse, written over it (7.2)
 
 G is ``mean.shape[1]`` (``var.shape[1]``) after ``gn_stats``. Statistics and
 sums are in the accumulation dtype (`_activation.acc_dtype`). The mask is the
@@ -51,8 +51,10 @@ SCHEMAS = {
         "gn_backward_input(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, "
         "Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps, int activation, float activation_param, "
         "bool signed_weight, bool residual_grad) -> (Tensor, Tensor)"),
-    # SiLU, float32/float64 (docs/DESIGN.md section 7.2): dx from the z that
-    # gn_backward_reduce stored in z_out, written over z; returns dresidual
+    # SiLU, float32/float64 (docs/DESIGN.md section 7.2): dx from y and what
+    # gn_backward_reduce kept of the inverse in z_out (z itself in the pure kernels,
+    # h = z / y or a coded z in the native AVX2/AVX512 float32 ones), written over
+    # it; returns dresidual
     "gn_backward_input_from_z_": (
         "gn_backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, "
         "Tensor? residual, Tensor mean_ggz, Tensor mean_ggzx, float eps, int activation, float activation_param, "

@@ -314,8 +314,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
         # The sums feed dweight, dbias and, in training, dx; in eval mode with frozen
         # parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
         reduce = need_wb or (training and (need_x or need_r)) or synced
-        # SiLU on the CPU: the reduce pass keeps z, the input pass starts from it
-        # (docs/DESIGN.md section 7.2)
+        # SiLU on the CPU: the reduce pass keeps its inverse (z, or h = z / y), the
+        # input pass starts from it and y (docs/DESIGN.md section 7.2)
         z = torch.empty_like(y) if reduce and need_x and _backend.keeps_z(ops, y, act) else None
         if reduce:
             extra = () if z is None else (z,)

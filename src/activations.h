@@ -161,7 +161,7 @@ struct Activation<Act::Elu, M> {
 // are clamped above zmin so that e^-z stays finite. f'(z) for the backward reuses the last step's f'/s and f''/s:
 // f'(z - dz) = f'(z) - f''(z) dz (error ~ dz^2, below the rounding error once the iteration has converged).
 // Near z* the inverse is ill-conditioned (error ~ sqrt(2 delta / curv)) but f'(z) ~ 0 damps the gradient there.
-// A policy with kSiluTable (AVX2/AVX512 float) instead evaluates a piecewise fit of h = 1 + e^-z = y / z in d
+// A policy with kSiluTable (AVX2/AVX512 float) instead evaluates a piecewise fit of h = 1 + e^-z = z / y in d
 // (src/cpu/silu_table.h) for y <= 8 (right) and y <= -0.1 (left): z = y h, f'(z) = (h + z (h - 1)) / h^2; error
 // within 5.1x eps |y| / |f'(z)| + ulp(z), at up to 1.7x the Halley path's throughput. Other lanes take that path.
 template <class M>

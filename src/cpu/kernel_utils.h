@@ -268,7 +268,7 @@ struct VecMath {
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   static constexpr bool kSiluTable = std::is_same_v<F, float>;
-  // h = y / z from the fit of src/cpu/silu_table.h, for y >= y* on the branch `left` (a flag, see from_bits); returns
+  // h = z / y from the fit of src/cpu/silu_table.h, for y >= y* on the branch `left` (a flag, see from_bits); returns
   // a flag set where y is outside the fitted range (AVX2: the compare's all-ones lanes). Coefficients come from one
   // register permute (vpermps) of a table sized for it: at::vec::gather made the inverse 4.5x slower than Halley's.
   static T silu_table(const T& y, const T& left, T& h) {

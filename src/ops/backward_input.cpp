@@ -68,7 +68,8 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
   check_input(y, "y");
   const Act act = to_act(activation);
   check_z(z, y, act, "z");
-  TORCH_CHECK(!z.is_alias_of(y), "inplace_abn: backward_input_from_z_ writes dx over z, which must not share y's memory");
+  TORCH_CHECK(!z.is_alias_of(y),
+              "inplace_abn: backward_input_from_z_ writes dx over z, which must not share y's memory");
   check_like(dy, y, "dy");
   check_like(residual, y, "residual");
   const Groups grp(y, groups);

@@ -13,8 +13,8 @@ std::array<ChannelInput, 5> input_args(const at::Tensor& y, const Groups& grp, c
                                        const OptTensor& weight, const OptTensor& bias, const OptTensor& mean_gz,
                                        const OptTensor& mean_gz_xhat, double sums_scale);
 
-// The reduce pass: sum_gz, sum_gz_xhat (and into z when defined, what the input pass needs of f^-1(y) besides y). gy: dy as the kernels read it
-// (relu_dy, in y's dtype and layout); res: the residual likewise, or undefined.
+// The reduce pass: sum_gz, sum_gz_xhat (and into z when defined, what the input pass needs of f^-1(y) besides y).
+// gy: dy as the kernels read it (relu_dy, in y's dtype and layout); res: the residual likewise, or undefined.
 void reduce_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu,
                  const at::Tensor& mask, const OptTensor& weight, const OptTensor& bias, const at::Tensor& res,
                  double eps, Act act, double param, bool signed_weight, const at::Tensor& z, const at::Tensor& sum_gz,

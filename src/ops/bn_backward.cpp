@@ -29,7 +29,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
   // with frozen parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
   const bool reduce = need_w || need_b || (training && (need_x || need_r));
   const bool input = need_x || need_r;
-  // SiLU on the CPU: the reduce pass keeps z, the input pass starts from it and writes dx over it
+  // SiLU on the CPU: the reduce pass keeps its inverse (z, or h = z / y), the input pass starts from it and y and
+  // writes dx over it
   const bool keep_z = reduce && need_x && silu_keeps_z(y, activation);
   // training: the kernel scales the raw sums by 1/n; eval: the statistics are constants
   const double scale = training && count ? 1.0 / static_cast<double>(count) : 0.0;

@@ -98,8 +98,8 @@ inline void check_z(const at::Tensor& z, const at::Tensor& y, Act act, const cha
               "inplace_abn: ", name, " must have y's shape, strides and dtype");
 }
 
-// Whether a backward keeps z = f^-1(y) between its two passes (backward_reduce's
-// z_out, then backward_input_from_z_): SiLU on the CPU in float32/float64 (section 7.2).
+// Whether a backward keeps its inverse of y between its two passes (backward_reduce's z_out: z, or h = z / y on
+// the table kernels; then backward_input_from_z_): SiLU on the CPU in float32/float64 (section 7.2).
 inline bool silu_keeps_z(const at::Tensor& y, int64_t act) {
   return act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
          (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);

@@ -26,7 +26,7 @@ bool gn_backward_fits(const at::Tensor& y, int64_t groups) {
 }
 
 // Other shapes and devices: backward_reduce's (N, C) sums, their group means, then
-// backward_input (keeping z between the two where silu_keeps_z).
+// backward_input (keeping the inverse between the two where silu_keeps_z).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
     const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
     const OptTensor& bias, const OptTensor& residual, int64_t G, double eps, int64_t activation, double param,

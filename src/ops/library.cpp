@@ -88,9 +88,9 @@ TORCH_LIBRARY(inplace_abn, m) {
   // z_out what the second pass needs of z = f^-1(y) besides y; the dx of backward_input from
   // y and it, written over it (no inversion, nothing allocated). Returns dresidual.
   m.def(
-      "backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, bool signed_weight, "
-      "bool residual_grad, float sums_scale=1.0, int groups=0) -> Tensor dresidual");
+      "backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, "
+      "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, "
+      "bool signed_weight, bool residual_grad, float sums_scale=1.0, int groups=0) -> Tensor dresidual");
   // The GroupNorm backward (groups > 0; docs/DESIGN.md section 10): dx, dresidual
   // (empty without residual_grad) and the per-channel sums over the batch S_g =
   // sum gz, S_gx = sum gz xhat; one pass over memory for a contiguous y on the CPU.
