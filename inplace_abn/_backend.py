@@ -117,10 +117,9 @@ def ops_for(x: torch.Tensor, choice: Optional[str] = None):
 
 
 def silu_keeps_z(y: torch.Tensor, act: int) -> bool:
-    """Whether a native backward on y keeps its inverse z = f^-1(y) (or h = z / y,
-    docs/DESIGN.md section 7.2) between its two passes:
-    SiLU, on the CPU with the extension built, float32/float64 (docs/DESIGN.md
-    section 7.2)."""
+    """Whether a native backward on y keeps its inverse z = f^-1(y) (or h = z / y)
+    between its two passes: SiLU, on the CPU with the extension built,
+    float32/float64 (docs/DESIGN.md section 7.2)."""
     return HAS_NATIVE and act == _activation.SILU and y.device.type == "cpu" and y.dtype in (
         torch.float32, torch.float64)
 

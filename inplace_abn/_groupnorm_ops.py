@@ -137,7 +137,7 @@ def _gn_dx(fp, xhat, g, y, dy, var, mean_ggz, mean_ggzx, eps, residual_grad):
 def gn_backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, act, p, signed,
                               residual_grad):
     fp, xhat, g = _pure.from_z(z, weight, bias, residual, eps, signed)
-    dx, dr = _gn_dx(fp, xhat, g, z, dy, var, mean_ggz, mean_ggzx, eps, residual_grad)
+    dx, dr = _gn_dx(fp, xhat, g, y, dy, var, mean_ggz, mean_ggzx, eps, residual_grad)
     z.copy_(dx)
     return dr
 

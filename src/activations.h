@@ -248,9 +248,12 @@ struct Activation<Act::Silu, M> {
     return s * M::fma(z, e * s, M::c(1.0));
   }
 
+  // The code of z in `kept` for lanes outside the table: -z on the right branch (z > 8, code < -1), z kLeftCode on
+  // the left (-87 <= z < -1.2, code in (-1, 0)): negative, unlike h > 1, and exact both ways.
+  static constexpr double kLeftCode = 1.0 / 1024;
+
   // z = f^-1(y) on the branch `left` (0/1) and d = f'(z); with `kept`, also what from_kept needs besides y to
-  // give z and d again: h where the table applies (z = y h and d as here, bitwise), the rare other lanes z
-  // itself, coded as -z (right branch, z > 8) or z / 1024 (left branch, z < -1.2): both negative, unlike h > 1.
+  // give z and d again: h where the table applies (z = y h and d as here, bitwise), z coded (above) elsewhere.
   static IABN_HD IABN_SILU_INVERSE_INLINE T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters,
                                                           T* kept = nullptr) {
     if constexpr (M::kSiluTable) {
@@ -264,7 +267,7 @@ struct Activation<Act::Silu, M> {
       T dh;
       const T zh = halley_inverse_deriv(y, left, dh, iters);
       dfdz = M::if_set(outside, dh, dfdz);
-      if (kept) *kept = M::if_set(outside, M::if_set(left, zh * M::c(1.0 / 1024), M::c(0.0) - zh), h);
+      if (kept) *kept = M::if_set(outside, M::if_set(left, zh * M::c(kLeftCode), M::c(0.0) - zh), h);
       return M::if_set(outside, zh, z);
     }
     const T z = halley_inverse_deriv(y_in, left, dfdz, iters);
@@ -279,7 +282,7 @@ struct Activation<Act::Silu, M> {
       dfdz = h_deriv(z, t);
       const T coded = M::if_less(t, M::c(0.0), M::c(1.0), M::c(0.0));
       if (!M::any(coded)) return z;
-      const T zc = M::if_less(t, M::c(-1.0), M::c(0.0) - t, t * M::c(1024.0));
+      const T zc = M::if_less(t, M::c(-1.0), M::c(0.0) - t, t * M::c(1.0 / kLeftCode));
       dfdz = M::if_set(coded, deriv_of_z(zc), dfdz);
       return M::if_set(coded, zc, z);
     }
