@@ -9,6 +9,13 @@ cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
+  # torch's CUDA build makes the venv ~5.8 GB and the build ~0.5 GB: say so up
+  # front rather than let pip stop halfway with "No space left on device".
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ "$free_kb" -lt $((7 * 1024 * 1024)) ]; then
+    echo "setup_env.sh: $((free_kb / 1024)) MB free in $PWD; the virtualenv and build need about 7 GB" >&2
+    exit 1
+  fi
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
