@@ -7,7 +7,7 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename S, Act A, bool RES, bool FROMZ, bool RELU, bool PAIRED = false>
+template <typename S, Act A, bool RES, bool FROMZ, bool RELU>
 void backward_input_t(const KernelArgs& a) {
   using io = IO<S>;
   using F = typename io::F;
@@ -25,7 +25,7 @@ void backward_input_t(const KernelArgs& a) {
   const V p(static_cast<F>(a.param));
   at::parallel_for(0, g.numel, kGrain, [&](int64_t e0, int64_t e1) {
     // captures by value (see for_each_vector)
-    for_each_vector<PAIRED>(g, cr, e0, e1, [=](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
+    for_each_vector(g, cr, e0, e1, [=](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
       constexpr bool FULL = decltype(full)::value;
       const V yv = io::template ld<FULL>(y + i, cnt), gv = io::template ld<FULL>(dy + i, cnt);
       V d, z;
@@ -55,10 +55,6 @@ void backward_input_kernel(const KernelArgs& a) {
     TORCH_CHECK(!a.from_z, "inplace_abn: backward_input_from_z_ is for SiLU in float32/float64");
     if constexpr (A == Act::Identity)  // the ReLU layer's z (kernel.h)
       if (a.relu) return backward_input_t<S, A, R, false, true>(a);
-    // rows in pairs (for_each_vector) for the cheap activations, in their own instantiation: in the planes' one, GCC
-    // compiled the planar walk 1.7x slower (leaky_relu 16x512x7x7 contiguous, AVX2: 0.115-0.126 against 0.067 ms)
-    if constexpr (kCost<A> == 1)
-      if (walk_of(a.g, 1).rows) return backward_input_t<S, A, R, false, false, true>(a);
     backward_input_t<S, A, R, false, false>(a);
   });
 }

@@ -46,7 +46,7 @@ void forward_t(const KernelArgs& a) {
         bw.put(FULL ? bits : bits & low_bits(cnt), cnt);
       }
     };
-    for_each_vector<kCost<A> == 1>(g, cr, w0 * 32, std::min(w1 * 32, g.numel), step);
+    for_each_vector(g, cr, w0 * 32, std::min(w1 * 32, g.numel), step);
     if (MASK) bw.flush();
   });
 }

@@ -511,66 +511,8 @@ struct CoefRows {
 
 // Runs step(i, j, cnt, full, co) for the vectors of [e0, e1): i the flat
 // index, j the offset in the segment, co its coefficients (element-wise kernels).
-//
-// PAIRED (rows): the whole super-rows of [e0, e1) are walked in pairs, one from each half (r and r + h, two
-// sequential streams), the coefficients loaded once for both (co then holds them as vectors, as planes do). Only the
-// order of the vectors changes, not what each computes. Four coefficient loads per vector kept the load ports busy:
-// 16x64x56x56 channels-last took twice the contiguous layout's time in forward_ (identity, 0.26 against 0.13 ms, AVX2,
-// 2 threads). The kernels pair for the cheap activations only (kCost 1): with the step inlined twice more, GCC
-// compiled the SiLU kernels 10-20% slower in both layouts, and the SiLU mask is written in memory order.
-// How far on the second row of a pair starts: h super-rows, or up to three fewer, whichever puts the two streams
-// furthest from the same offset modulo 4 KiB (the same L1 sets, for them and their prefetches): 48 KiB apart, at
-// 16x512x7x7 channels-last, backward_reduce took 1.16x as long as with adjacent rows (1 thread, AVX2). Half inputs
-// are half as far apart, which keeps them off the same offset as well.
-inline int64_t pair_distance(int64_t h, int64_t R, int64_t elem_bytes) {
-  int64_t best = h, far = -1;
-  for (int64_t k = h; k >= std::max<int64_t>(1, h - 3); --k) {
-    const int64_t m = (k * R * elem_bytes) % 4096;
-    if (std::min(m, 4096 - m) > far) {
-      far = std::min(m, 4096 - m);
-      best = k;
-    }
-  }
-  return best;
-}
-
-template <bool PAIRED = true, typename F, int K, class Step>
-inline void for_each_vector(const Walk& g, const CoefRows<F, K>& cr, int64_t e0, int64_t e1, const Step& step);
-
-// PAIRED's walk of [e0, e1) (rows): false, doing nothing, where it holds fewer than two whole super-rows.
 template <typename F, int K, class Step>
-bool for_each_pair(const Walk& g, const CoefRows<F, K>& cr, int64_t e0, int64_t e1,
-                                             const Step& step) {
-  constexpr int W = Vectorized<F>::size();
-  const int64_t R = cr.R;
-  const int64_t ra = (e0 + R - 1) / R, rb = e1 / R;  // the whole super-rows [ra, rb)
-  const int64_t h = rb > ra ? pair_distance((rb - ra) / 2, R, sizeof(F)) : 0;
-  if (h == 0) return false;
-  for_each_vector<false>(g, cr, e0, ra * R, step);
-  const Step st = step;  // (a local copy, see for_each_vector)
-  for (int64_t r = ra; r < ra + h; ++r) {
-    const int64_t ea = r * R, eb = ea + h * R;
-    Coef<F, K, false> co;
-    int64_t j = 0;
-    for (; j + W <= R; j += W) {
-      for (int k = 0; k < K; ++k) co.bc[k] = Vectorized<F>::loadu(cr.exp[k] + j);
-      st(ea + j, j, W, std::true_type{}, co);
-      st(eb + j, j, W, std::true_type{}, co);
-    }
-    if (j < R) {  // (the expansions end in a vector of zeros: whole loads)
-      for (int k = 0; k < K; ++k) co.bc[k] = Vectorized<F>::loadu(cr.exp[k] + j);
-      st(ea + j, j, static_cast<int>(R - j), std::false_type{}, co);
-      st(eb + j, j, static_cast<int>(R - j), std::false_type{}, co);
-    }
-  }
-  for_each_vector<false>(g, cr, (ra + 2 * h) * R, e1, step);
-  return true;
-}
-
-template <bool PAIRED, typename F, int K, class Step>
 inline void for_each_vector(const Walk& g, const CoefRows<F, K>& cr, int64_t e0, int64_t e1, const Step& step) {
-  if constexpr (PAIRED)
-    if (g.rows && for_each_pair(g, cr, e0, e1, step)) return;
   constexpr int W = Vectorized<F>::size();
   walk(g, cr.R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
     with_coef<F, K>(g.rows, key, cr.src, cr.exp, [&](const auto& co) {
@@ -645,6 +587,22 @@ constexpr int64_t kGrain = 16384;
 // backward_input does not: GCC then compiled its from-z SiLU loop 20% slower.
 template <Act A>
 constexpr int64_t kCost = A == Act::Silu ? 4 : A == Act::Elu ? 2 : 1;
+
+// How far on the second super-row of a pair starts (reduce2): h rows, or up to three fewer, whichever puts the two
+// streams furthest from the same offset modulo 4 KiB (the same L1 sets, for them and their prefetches): 48 KiB apart,
+// at 16x512x7x7 channels-last, backward_reduce took 1.16x as long as with adjacent rows (1 thread, AVX2), 1.07x with
+// this. Half inputs are half as far apart, which keeps them off the same offset as well.
+inline int64_t pair_distance(int64_t h, int64_t R, int64_t elem_bytes) {
+  int64_t best = h, far = -1;
+  for (int64_t k = h; k >= std::max<int64_t>(1, h - 3); --k) {
+    const int64_t m = (k * R * elem_bytes) % 4096;
+    if (std::min(m, 4096 - m) > far) {
+      far = std::min(m, 4096 - m);
+      best = k;
+    }
+  }
+  return best;
+}
 
 // ---------------------------------------------------------------------------
 // Reductions: per channel, sum u and sum u v for per-element (u, v) in double. A unit of work is
