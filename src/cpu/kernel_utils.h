@@ -13,7 +13,8 @@
 //
 // Reductions use a partition that depends on the shape only (planes or plane parts; blocks of super-rows), one
 // partial result per unit in its own slot, combined in a fixed order: bitwise reproducible for any thread count. Sums
-// accumulate in double (in planes, groups of four vectors are first added in the compute type, see reduce2).
+// accumulate in double (groups of four vectors, or of a few super-rows, are first added in the compute type, see
+// reduce2).
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -647,9 +648,9 @@ inline double lane_sum(const DPair<F>& a) {
 // elem(i, j, cnt, full, co, u, v): for the vector of elements at flat index i, segment offset j (cnt valid lanes;
 // invalid lanes must give u = 0 and a finite v), the compute-type vectors u, v; the sums are sum u and sum u v,
 // taken in double. Planes: four consecutive vectors are first combined pairwise in the compute type (two more
-// roundings, then double), which quarters the conversions. Rows are walked strictly in memory order (interleaving
-// rows costs more DRAM bandwidth than it saves); their sums are kept in the compute type over a few super-rows, then
-// added to double. coef: the per-channel coefficient that co.get(0, j) gives. elem should capture by value: it is
+// roundings, then double), which quarters the conversions. Rows are walked as two sequential streams per unit (rows
+// r and r + h, see below), never back and forth within a page; their sums are kept in the compute type over a few
+// super-rows, then added to double. coef: the per-channel coefficient that co.get(0, j) gives. elem should capture by value: it is
 // copied into each parallel task.
 template <typename F, class Elem>
 void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, double* out2, int64_t cost = 1) {
