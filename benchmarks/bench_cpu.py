@@ -84,8 +84,7 @@ def check_same_grads(ours, stock, case):
         err = (d.norm() / b.double().norm().clamp_min(1e-30)).item()
         # At a kink (ReLU, leaky_relu) a z within rounding of 0 may take the other branch in one of the two, a whole
         # dy apart there: one such element of 3.2M gave 1.7e-3 (16x64x56x56 relu). A few of them are the same work.
-        kinks = name == "input" and (d.abs() > 1e-2 * b.double().abs().max()).sum().item() <= 8
-        if not (err < tol or kinks):
+        if not (err < tol or name == "input" and (d.abs() > 1e-2 * b.double().abs().max()).sum().item() <= 8):
             raise RuntimeError(f"{case}: ours and stock disagree on the {name} gradient (relative error {err:.2e})")
 
 
