@@ -510,10 +510,32 @@ struct CoefRows {
   CoefRows(const KernelArgs& a, const Walk& g) : CoefRows(coef_row<F>(a, 0), a.g.C, g) {}
 };
 
+// How far on the second super-row of a pair starts (reduce2, for_each_pair): h rows, or up to three fewer, whichever
+// puts the two streams furthest from the same offset modulo 4 KiB (the same L1 sets, for them and their prefetches): at
+// 16x512x7x7 channels-last (halves 48 KiB apart; 1 thread, AVX2, in cache) backward_reduce took 0.100 ms, 0.093 with
+// this, 0.083-0.091 with adjacent rows. Half inputs are half as far apart, which keeps them off the same offset too.
+inline int64_t pair_distance(int64_t h, int64_t R, int64_t elem_bytes) {
+  int64_t best = h, far = -1;
+  for (int64_t k = h; k >= std::max<int64_t>(1, h - 3); --k) {
+    const int64_t m = (k * R * elem_bytes) % 4096;
+    if (std::min(m, 4096 - m) > far) {
+      far = std::min(m, 4096 - m);
+      best = k;
+    }
+  }
+  return best;
+}
+
+template <typename F, int K, class Step>
+bool for_each_pair(const Walk& g, const CoefRows<F, K>& cr, int64_t e0, int64_t e1, const Step& step);
+
 // Runs step(i, j, cnt, full, co) for the vectors of [e0, e1): i the flat
 // index, j the offset in the segment, co its coefficients (element-wise kernels).
-template <typename F, int K, class Step>
+// PAIRED (rows): the whole super-rows in pairs, see for_each_pair; only the order of the vectors changes.
+template <bool PAIRED = false, typename F, int K, class Step>
 inline void for_each_vector(const Walk& g, const CoefRows<F, K>& cr, int64_t e0, int64_t e1, const Step& step) {
+  if constexpr (PAIRED)
+    if (g.rows && for_each_pair(g, cr, e0, e1, step)) return;
   constexpr int W = Vectorized<F>::size();
   walk(g, cr.R, e0, e1, [&](int64_t e, int64_t n, int64_t key) {
     with_coef<F, K>(g.rows, key, cr.src, cr.exp, [&](const auto& co) {
@@ -525,6 +547,40 @@ inline void for_each_vector(const Walk& g, const CoefRows<F, K>& cr, int64_t e0,
       if (j < n) st(e + j, j, static_cast<int>(n - j), std::false_type{}, co);
     });
   });
+}
+
+// for_each_vector's PAIRED walk of [e0, e1) (rows): its whole super-rows two at a time, r and r + h (about half of
+// them on, two sequential streams, see pair_distance), the coefficient vectors loaded once for both; false, doing
+// nothing, where [e0, e1) holds fewer than two whole super-rows. Four coefficient loads per vector kept the load ports
+// busy: forward_ identity at 16x64x56x56 channels-last took twice the contiguous layout's time (0.26 against 0.13 ms,
+// AVX2, 2 threads). Paired instantiations live in paired_rows_kernel.cpp, apart from the kernels' other ones: in
+// the same file, GCC inlined less elsewhere (ELU backward_input 4096x512, AVX2: 1.52-1.83 against 1.03 ms).
+template <typename F, int K, class Step>
+bool for_each_pair(const Walk& g, const CoefRows<F, K>& cr, int64_t e0, int64_t e1, const Step& step) {
+  constexpr int W = Vectorized<F>::size();
+  const int64_t R = cr.R;
+  const int64_t ra = (e0 + R - 1) / R, rb = e1 / R;  // the whole super-rows [ra, rb)
+  if (rb - ra < 2) return false;
+  const int64_t h = pair_distance((rb - ra) / 2, R, sizeof(F));
+  for_each_vector(g, cr, e0, ra * R, step);
+  const Step st = step;  // (a local copy, see for_each_vector)
+  for (int64_t r = ra; r < ra + h; ++r) {
+    const int64_t ea = r * R, eb = ea + h * R;
+    Coef<F, K, false> co;
+    int64_t j = 0;
+    for (; j + W <= R; j += W) {
+      for (int k = 0; k < K; ++k) co.bc[k] = Vectorized<F>::loadu(cr.exp[k] + j);
+      st(ea + j, j, W, std::true_type{}, co);
+      st(eb + j, j, W, std::true_type{}, co);
+    }
+    if (j < R) {  // (the expansions end in a vector of zeros: whole loads)
+      for (int k = 0; k < K; ++k) co.bc[k] = Vectorized<F>::loadu(cr.exp[k] + j);
+      st(ea + j, j, static_cast<int>(R - j), std::false_type{}, co);
+      st(eb + j, j, static_cast<int>(R - j), std::false_type{}, co);
+    }
+  }
+  for_each_vector(g, cr, (ra + 2 * h) * R, e1, step);
+  return true;
 }
 
 // Packed mask bits, written 32 at a time from a word-aligned start.
@@ -589,21 +645,6 @@ constexpr int64_t kGrain = 16384;
 template <Act A>
 constexpr int64_t kCost = A == Act::Silu ? 4 : A == Act::Elu ? 2 : 1;
 
-// How far on the second super-row of a pair starts (reduce2): h rows, or up to three fewer, whichever puts the two
-// streams furthest from the same offset modulo 4 KiB (the same L1 sets, for them and their prefetches): at 16x512x7x7
-// channels-last (halves 48 KiB apart; 1 thread, AVX2, in cache) backward_reduce took 0.100 ms, 0.093 with this, 0.083-
-// 0.091 with adjacent rows. Half inputs are half as far apart, which keeps them off the same offset as well.
-inline int64_t pair_distance(int64_t h, int64_t R, int64_t elem_bytes) {
-  int64_t best = h, far = -1;
-  for (int64_t k = h; k >= std::max<int64_t>(1, h - 3); --k) {
-    const int64_t m = (k * R * elem_bytes) % 4096;
-    if (std::min(m, 4096 - m) > far) {
-      far = std::min(m, 4096 - m);
-      best = k;
-    }
-  }
-  return best;
-}
 
 // ---------------------------------------------------------------------------
 // Reductions: per channel, sum u and sum u v for per-element (u, v) in double. A unit of work is
