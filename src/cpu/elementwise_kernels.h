@@ -33,6 +33,7 @@ void forward_t(const KernelArgs& a) {
   using V = Vectorized<F>;
   using Ac = Activation<A, VecMath<F>>;
   constexpr bool MASK = A == Act::Silu;
+  static_assert(!(MASK && PAIRED), "the mask bits are written in memory order");
   const Walk g = walk_of(a.g, kCost<A>);
   const CoefRows<F, kFwdRows> cr(a, g);
   S* x = a.x.data_ptr<S>();

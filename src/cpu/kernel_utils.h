@@ -550,8 +550,9 @@ inline void for_each_vector(const Walk& g, const CoefRows<F, K>& cr, int64_t e0,
 }
 
 // for_each_vector's PAIRED walk of [e0, e1) (rows): its whole super-rows two at a time, r and r + h (about half of
-// them on, two sequential streams, see pair_distance), the coefficient vectors loaded once for both; false, doing
-// nothing, where [e0, e1) holds fewer than two whole super-rows. Four coefficient loads per vector kept the load ports
+// them on, two sequential streams, see pair_distance), the coefficient vectors loaded once for both; the partial rows
+// at either end, and the up to seven whole rows that h leaves over, one at a time; false, doing nothing, where
+// [e0, e1) holds fewer than two whole super-rows. Four coefficient loads per vector kept the load ports
 // busy: forward_ identity at 16x64x56x56 channels-last took twice the contiguous layout's time (0.26 against 0.13 ms,
 // AVX2, 2 threads). Paired instantiations live in paired_rows_kernel.cpp, apart from the kernels' other ones: in
 // the same file, GCC inlined less elsewhere (ELU backward_input 4096x512, AVX2: 1.52-1.83 against 1.03 ms).
