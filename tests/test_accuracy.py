@@ -120,6 +120,16 @@ def test_residual_matches_stock(backend, activation, layout, dtype, training):
     check(case, layout, activation, "signed", training=training, with_residual=True)
 
 
+# Planes of 16 elements with N < 16 and a channel pattern of 8192: the cheap activations' element-wise kernels walk
+# planes, the reductions rows (src/cpu/kernel_utils.h walk_of); one layer mixes both walks.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("activation", ["identity", "leaky_relu", "relu"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_mixed_walks_match_stock(backend, activation, dtype, with_residual):
+    case = make_case((8, 512, 4, 4), dtype, seed=seed_of(activation, dtype, with_residual))
+    check(case, "4d", activation, "signed", with_residual=with_residual)
+
+
 HOSTILE = {
     "mean_1e4": dict(mean_scale=1e4),
     "mean_1e3": dict(mean_scale=1e3),

@@ -81,6 +81,7 @@ def test_bitwise_reproducible(backend):
     ((8, 24, 17, 17), torch.channels_last),      # rows path, odd channel count
     ((16, 96, 7, 7), torch.contiguous_format),   # small planes: rows path for SiLU, planes for leaky_relu
     ((64, 96, 3, 3), torch.contiguous_format),   # planes under 16 elements: rows path for every activation
+    ((8, 512, 4, 4), torch.contiguous_format),   # planes of 16: element-wise kernels on planes for leaky_relu
     ((3000, 37), torch.contiguous_format),       # N x C, mask words straddling tasks
     ((4, 16, 14, 14), torch.contiguous_format),  # small: split in tasks for SiLU only (kCost)
 ])

@@ -34,7 +34,7 @@ void forward_t(const KernelArgs& a) {
   using Ac = Activation<A, VecMath<F>>;
   constexpr bool MASK = A == Act::Silu;
   static_assert(!(MASK && PAIRED), "the mask bits are written in memory order");
-  const Walk g = walk_of(a.g, kCost<A>);
+  const Walk g = walk_of(a.g, kCost<A>, true);
   const CoefRows<F, kFwdRows> cr(a, g);
   S* x = a.x.data_ptr<S>();
   const S* in = a.source.defined() ? a.source.const_data_ptr<S>() : x;
@@ -75,7 +75,7 @@ void forward_kernel_t(const KernelArgs& a) {
   dispatch(a, [&](auto s, auto act, auto res) {
     constexpr Act A = decltype(act)::value;
     if constexpr (!PAIRED && kPairedRows<A>)
-      if (walk_of(a.g, kCost<A>).rows) return forward_paired_kernel(a);
+      if (walk_of(a.g, kCost<A>, true).rows) return forward_paired_kernel(a);
     if constexpr (PAIRED && !kPairedRows<A>) {
       TORCH_INTERNAL_ASSERT(false, "inplace_abn: no paired rows walk for this activation");
     } else {
@@ -92,7 +92,7 @@ void backward_input_t(const KernelArgs& a) {
   using F = typename io::F;
   using V = Vectorized<F>;
   using Ac = Activation<A, VecMath<F>>;
-  const Walk g = walk_of(a.g, kCost<A>);
+  const Walk g = walk_of(a.g, kCost<A>, true);
   const CoefRows<F, kInRows> cr(a, g);
   const S* y = a.x.const_data_ptr<S>();
   const S* dy = a.dy.const_data_ptr<S>();
@@ -132,7 +132,7 @@ void backward_input_kernel_t(const KernelArgs& a) {
     constexpr Act A = decltype(act)::value;
     constexpr bool R = decltype(res)::value;
     if constexpr (!PAIRED && kPairedRows<A>)
-      if (walk_of(a.g, kCost<A>).rows) return backward_input_paired_kernel(a);
+      if (walk_of(a.g, kCost<A>, true).rows) return backward_input_paired_kernel(a);
     if constexpr (PAIRED && !kPairedRows<A>) {
       TORCH_INTERNAL_ASSERT(false, "inplace_abn: no paired rows walk for this activation");
     } else {

@@ -918,14 +918,20 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
 // L2) and, with cost = kCost (1 for batch_stats), S < 16 or S < 32 with N >= 8 (cost 1), S < kRowsMaxPlane with
 // N >= 8 or with P <= 4096 (cost > 1): rows cost a K P expansion per call and a P-long fold per reduction unit, planes
 // a partial vector per plane, which costly activations pay in full (16x256x2x2 leaky_relu: rows 30, planes 108 us).
+// elementwise (forward_, backward_input), cost 1: planes of 16 elements are whole vectors on every ISA, and there
+// rows pay for their coefficient loads per vector unless N >= 16 or P < 8192 (identity and leaky_relu layers
+// 0.84-0.91x as long with planes at 8x{512,1024,2048}x4x4, AVX512 and AVX2); the reductions keep rows there (as fast,
+// and a SiLU layer, whose other kernels walk rows, took 1.06-1.11x as long at 8x1024x4x4 with batch_stats on planes).
 constexpr int64_t kRowsMaxPlane = 128;
 constexpr int64_t kRowsMaxPeriod = 32768;
 
-inline Walk walk_of(const Geometry& g, int64_t cost) {
+inline Walk walk_of(const Geometry& g, int64_t cost, bool elementwise = false) {
   Walk w{g.numel, g.C, g.inner(), true};
   if (!g.channels_last) {
     const int64_t P = g.C * g.S;
-    const bool rows = cost > 1 ? g.S < kRowsMaxPlane && (g.N >= 8 || P <= 4096) : g.S < 16 || (g.S < 32 && g.N >= 8);
+    const bool whole16 = elementwise && g.S == 16 && g.N < 16 && P >= 8192;
+    const bool rows = cost > 1 ? g.S < kRowsMaxPlane && (g.N >= 8 || P <= 4096)
+                               : g.S < 16 || (g.S < 32 && g.N >= 8 && !whole16);
     w.rows = g.S == 1 || (rows && P <= kRowsMaxPeriod);
   }
   return w;
