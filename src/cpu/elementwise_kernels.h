@@ -26,26 +26,6 @@ namespace {
 template <Act A>
 constexpr bool kPairedRows = kCost<A> == 1;
 
-// The element-wise kernels' walk.
-template <Act A>
-Walk elementwise_walk(const Geometry& g) {
-  return walk_of(g, kCost<A>, true);
-}
-
-// Runs run(0) where the call belongs: the unpaired file (PAIRED false) hands a rows-layout call of a kPairedRows
-// activation to `paired` (the other file's kernel), which never gets the others. run is generic so that the file
-// compiles only the instantiations it runs.
-template <bool PAIRED, Act A, class Run>
-void in_own_file(const KernelArgs& a, void (*paired)(const KernelArgs&), const Run& run) {
-  if constexpr (!PAIRED && kPairedRows<A>)
-    if (elementwise_walk<A>(a.g).rows) return paired(a);
-  if constexpr (PAIRED && !kPairedRows<A>) {
-    TORCH_INTERNAL_ASSERT(false, "inplace_abn: no paired rows walk for this activation");
-  } else {
-    run(0);
-  }
-}
-
 template <typename S, Act A, bool RES, bool ZOUT, bool PAIRED>
 void forward_t(const KernelArgs& a) {
   using io = IO<S>;
@@ -54,7 +34,7 @@ void forward_t(const KernelArgs& a) {
   using Ac = Activation<A, VecMath<F>>;
   constexpr bool MASK = A == Act::Silu;
   static_assert(!(MASK && PAIRED), "the mask bits are written in memory order");
-  const Walk g = elementwise_walk<A>(a.g);
+  const Walk g = walk_of(a.g, kCost<A>, true);
   const CoefRows<F, kFwdRows> cr(a, g);
   S* x = a.x.data_ptr<S>();
   const S* in = a.source.defined() ? a.source.const_data_ptr<S>() : x;
@@ -93,14 +73,16 @@ void forward_t(const KernelArgs& a) {
 template <bool PAIRED>
 void forward_kernel_t(const KernelArgs& a) {
   dispatch(a, [&](auto s, auto act, auto res) {
-    using S = std::decay_t<decltype(s)>;  // (decay: in the lambda below, GCC 12 takes the capture, a double&)
     constexpr Act A = decltype(act)::value;
-    constexpr bool R = decltype(res)::value;
-    in_own_file<PAIRED, A>(a, &forward_paired_kernel, [&](auto) {
+    if constexpr (!PAIRED && kPairedRows<A>)
+      if (walk_of(a.g, kCost<A>, true).rows) return forward_paired_kernel(a);
+    if constexpr (PAIRED && !kPairedRows<A>) {
+      TORCH_INTERNAL_ASSERT(false, "inplace_abn: no paired rows walk for this activation");
+    } else {
       if constexpr (A == Act::Identity)  // the ReLU path exists for the identity only
-        if (a.out1.defined()) return forward_t<S, A, R, true, PAIRED>(a);
-      forward_t<S, A, R, false, PAIRED>(a);
-    });
+        if (a.out1.defined()) return forward_t<decltype(s), A, decltype(res)::value, true, PAIRED>(a);
+      forward_t<decltype(s), A, decltype(res)::value, false, PAIRED>(a);
+    }
   });
 }
 
@@ -110,7 +92,7 @@ void backward_input_t(const KernelArgs& a) {
   using F = typename io::F;
   using V = Vectorized<F>;
   using Ac = Activation<A, VecMath<F>>;
-  const Walk g = elementwise_walk<A>(a.g);
+  const Walk g = walk_of(a.g, kCost<A>, true);
   const CoefRows<F, kInRows> cr(a, g);
   const S* y = a.x.const_data_ptr<S>();
   const S* dy = a.dy.const_data_ptr<S>();
@@ -146,17 +128,21 @@ void backward_input_t(const KernelArgs& a) {
 template <bool PAIRED>
 void backward_input_kernel_t(const KernelArgs& a) {
   dispatch(a, [&](auto s, auto act, auto res) {
-    using S = std::decay_t<decltype(s)>;  // (decay: in the lambda below, GCC 12 takes the capture, a double&)
+    using S = decltype(s);
     constexpr Act A = decltype(act)::value;
     constexpr bool R = decltype(res)::value;
-    in_own_file<PAIRED, A>(a, &backward_input_paired_kernel, [&](auto) {
+    if constexpr (!PAIRED && kPairedRows<A>)
+      if (walk_of(a.g, kCost<A>, true).rows) return backward_input_paired_kernel(a);
+    if constexpr (PAIRED && !kPairedRows<A>) {
+      TORCH_INTERNAL_ASSERT(false, "inplace_abn: no paired rows walk for this activation");
+    } else {
       if constexpr (A == Act::Silu && std::is_same_v<S, typename IO<S>::F>)
         if (a.from_z) return backward_input_t<S, A, R, true, false, PAIRED>(a);
       TORCH_CHECK(!a.from_z, "inplace_abn: backward_input_from_z_ is for SiLU in float32/float64");
       if constexpr (A == Act::Identity)  // the ReLU layer's z (kernel.h)
         if (a.relu) return backward_input_t<S, A, R, false, true, PAIRED>(a);
       backward_input_t<S, A, R, false, false, PAIRED>(a);
-    });
+    }
   });
 }
 
