@@ -77,15 +77,23 @@ def _faults() -> int:
 def check_same_grads(ours, stock, case):
     """Raise unless the timed steps computed the same gradients (so that both do the
     same work): relative error in norm below 1e-3 (float32; 3e-2 in half precision),
-    which the effective weight |w| + eps of ours (1e-5 off stock's w) leaves room for."""
+    which the effective weight |w| + eps of ours (1e-5 off stock's w) leaves room for.
+
+    At a kink (ReLU, leaky_relu) a z within rounding of 0 may take the other branch in
+    one of the two, a whole dy apart in the input gradient and in its channel's weight
+    and bias gradients: one such element gave 1.7e-3 at 16x64x56x56 relu (input) and at
+    4096x512 leaky_relu (bias, one element of 2M; seeded runs: every error above 1e-4
+    came with exactly one z of the other sign). So up to 8 entries that each carry more
+    than 0.3 tol of the norm are let through as such; the rest must agree within tol."""
     for name, a, b in zip(("input", "weight", "bias"), ours, stock):
         tol = 1e-3 if a.dtype in (torch.float32, torch.float64) else 3e-2
         d = a.double() - b.double()
-        err = (d.norm() / b.double().norm().clamp_min(1e-30)).item()
-        # At a kink (ReLU, leaky_relu) a z within rounding of 0 may take the other branch in one of the two, a whole
-        # dy apart there: one such element of 3.2M gave 1.7e-3 (16x64x56x56 relu). A few of them are the same work.
-        if not (err < tol or name == "input" and (d.abs() > 1e-2 * b.double().abs().max()).sum().item() <= 8):
-            raise RuntimeError(f"{case}: ours and stock disagree on the {name} gradient (relative error {err:.2e})")
+        norm = b.double().norm().clamp_min(1e-30)
+        kinks = d.abs() > 0.3 * tol * norm
+        err = (d.masked_fill(kinks, 0).norm() / norm).item()
+        if err >= tol or kinks.sum().item() > 8:
+            raise RuntimeError(f"{case}: ours and stock disagree on the {name} gradient (relative error {err:.2e}, "
+                               f"{kinks.sum().item()} entries far off)")
 
 
 def _interleaved(fns, repeats, warmup=10):

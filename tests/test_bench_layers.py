@@ -47,6 +47,25 @@ def test_gradient_check_refuses_the_partial_step():
     bench_cpu.check_same_grads(full, stock, "full step")
 
 
+def test_gradient_check_lets_kink_flips_through_and_nothing_else():
+    """A z within rounding of 0 on the other side of a kink moves one entry of a gradient by a
+    whole dy (4096x512 leaky_relu: the bias gradient 1.7e-3 off in norm, one element of 2M):
+    up to 8 such entries pass; nine, or an error spread over every entry, do not."""
+    g = torch.Generator().manual_seed(0)
+    stock = [torch.randn(512, generator=g) * 64 for _ in range(3)]
+    flip = [t.clone() for t in stock]
+    flip[2][3] += 2.5
+    assert (flip[2] - stock[2]).norm() / stock[2].norm() > 1e-3
+    bench_cpu.check_same_grads(flip, stock, "one flip")
+    nine = [t.clone() for t in stock]
+    nine[1][:9] += 2.5
+    with pytest.raises(RuntimeError, match="disagree on the weight gradient"):
+        bench_cpu.check_same_grads(nine, stock, "nine flips")
+    spread = [stock[0], stock[1], stock[2] * 1.003]
+    with pytest.raises(RuntimeError, match="disagree on the bias gradient"):
+        bench_cpu.check_same_grads(spread, stock, "spread")
+
+
 def test_bench_groupnorm_unet_layers():
     """--unet finds every GroupNorm + SiLU layer of bench_unet.py's converted UNet (45, as
     convert_model reports), in both layouts."""
