@@ -646,7 +646,6 @@ constexpr int64_t kGrain = 16384;
 template <Act A>
 constexpr int64_t kCost = A == Act::Silu ? 4 : A == Act::Elu ? 2 : 1;
 
-
 // ---------------------------------------------------------------------------
 // Reductions: per channel, sum u and sum u v for per-element (u, v) in double. A unit of work is
 //  planar: a part of a plane (at most kPart elements), sums in registers;
