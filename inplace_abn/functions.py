@@ -310,6 +310,14 @@ class _InPlaceABNFunction(torch.autograd.Function):
         need_r = residual is not None and ctx.needs_input_grad[5]
 
         need_wb = (weight is not None and need_w) or (bias is not None and need_b)
+        if group is None and ops is _backend.NATIVE:
+            # the local layer: the whole backward in one operator, as the C++ autograd of
+            # eager calls runs it (src/ops/bn_backward.cpp), so both paths give the same bits
+            need = [need_x, weight is not None and need_w, bias is not None and need_b, need_r]
+            dx, dweight, dbias, dr = ops.bn_backward(y, dy, mask, var, weight, bias, residual, eps, act, p, signed,
+                                                     training, need, **relu)
+            return (dx.to(dtype) if need_x else None, dweight if need[1] else None, dbias if need[2] else None,
+                    None, None, dr.to(dtype) if need_r else None, None, None, None, None, None, None, None, None)
         synced = training and group is not None
         # The sums feed dweight, dbias and, in training, dx; in eval mode with frozen
         # parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).

@@ -166,7 +166,11 @@ def test_frozen_eval_skips_backward_reduce(backend, monkeypatch):
     layer.bias.requires_grad_(True)
     with inplace_abn.use_backend(backend):
         ran = passes(lambda: layer(x.clone().requires_grad_().clone()).backward(dy))
-    if backend == "native":
+    if backend == "native":  # (4, 8, 5, 5): both passes in bn_backward's one-pass kernel
+        assert ran == ["inplace_abn::bn_backward (one pass)"], ran
+        with inplace_abn.use_backend(backend):  # channels-last: the two passes
+            xcl = x.clone().contiguous(memory_format=torch.channels_last)
+            ran = passes(lambda: layer(xcl.requires_grad_().clone()).backward(dy))
         assert ran == ["inplace_abn::bn_backward (input pass)", "inplace_abn::bn_backward (reduce pass)"], ran
     else:
         assert len(calls) == 1

@@ -14,9 +14,8 @@ from inplace_abn import _activation, _pure
 pytestmark = pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native extension not built")
 
 
-def _args(act, fmt, residual, dtype=torch.float32, training=True):
+def _args(act, fmt, residual, dtype=torch.float32, training=True, shape=(3, 5, 4, 6)):
     g = torch.Generator().manual_seed(act)
-    shape = (3, 5, 4, 6)
     x = torch.randn(shape, generator=g, dtype=dtype).contiguous(memory_format=fmt)
     C = shape[1]
     w = torch.rand(C, generator=g) + 0.5
@@ -86,6 +85,27 @@ def _separate_backward(y, dy, mask, var, w, b, r, act, p, signed, training, need
     return [t if k else None for t, k in zip((dx, dw, db, dr), need)]
 
 
+def _one_pass(y, training, need):
+    """Whether bn_backward runs its one-pass CPU kernel (src/ops/bn_backward.cpp, bn_backward_fits):
+    both passes wanted, a contiguous y with planes of at least 16 elements and at most 2^16 per channel."""
+    need_x, need_w, need_b, need_r = need
+    reduce = need_w or need_b or (training and (need_x or need_r))
+    N, C = y.shape[:2]
+    P = y.numel() // (N * C)
+    return reduce and (need_x or need_r) and y.is_contiguous() and y.dim() >= 3 and P >= 16 and N * P <= 1 << 16
+
+
+def _assert_matches(got, want, one_pass, name):
+    """bn_backward's output against the separate operators': bitwise where it runs them (the two-pass path), within
+    a few ulp where the one-pass kernel serves y (its sums in another order, its input row from the sums in double)."""
+    assert got.dtype == want.dtype and got.stride() == want.stride(), name
+    if not one_pass:
+        assert torch.equal(got, want), name
+        return
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got, want, rtol=2 * eps, atol=8 * eps * want.abs().max().item(), msg=name)
+
+
 NEEDS = [(True, True, True, True), (True, False, False, False), (False, True, True, False),
          (False, False, False, True), (True, True, False, False)]
 
@@ -93,34 +113,44 @@ NEEDS = [(True, True, True, True), (True, False, False, False), (False, True, Tr
 @pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("need", NEEDS, ids=["all", "dx", "params", "dres", "dx_dw"])
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("fmt,shape", [(torch.contiguous_format, (3, 5, 4, 6)), (torch.channels_last, (3, 5, 4, 6)),
+                                        (torch.contiguous_format, (3, 5, 2, 3))],
+                         ids=["contiguous", "channels_last", "contiguous_small_planes"])
 @pytest.mark.parametrize("act", ACTS)
-def test_bn_backward_is_the_separate_operators(act, fmt, training, need, signed):
-    """bn_backward (the local layer's backward in one call) gives bitwise what the
-    separate operators give, for each set of wanted outputs (the others: empty
-    tensors), and passes opcheck."""
+def test_bn_backward_is_the_separate_operators(act, fmt, shape, training, need, signed):
+    """bn_backward (the local layer's backward in one call) gives what the separate
+    operators give, for each set of wanted outputs (the others: empty tensors):
+    bitwise where it runs them (channels-last, planes under 16 elements, one pass
+    only), within a few ulp where its one-pass kernel serves y; and passes opcheck."""
     ops = torch.ops.inplace_abn
-    x, mean, var, w, b, r, p = _args(act, fmt, True, training=training)
+    x, mean, var, w, b, r, p = _args(act, fmt, True, training=training, shape=shape)
     y = x.clone()
     mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, signed)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).contiguous(memory_format=fmt)
     args = (y, dy, mask, var, w, b, r, 1e-5, act, p, signed, training, list(need))
     got = ops.bn_backward(*args)
     want = _separate_backward(y, dy, mask, var, w, b, r, act, p, signed, training, need)
+    one_pass = _one_pass(y, training, need)
+    assert one_pass == (fmt == torch.contiguous_format and shape[2] * shape[3] >= 16 and (need[0] or need[3])
+                        and (training or need[1] or need[2]))
     for name, g, wt in zip(("dx", "dweight", "dbias", "dresidual"), got, want):
         if wt is None:
             assert g.numel() == 0, name
         else:
-            assert g.dtype == wt.dtype and g.stride() == wt.stride() and torch.equal(g, wt), name
+            _assert_matches(g, wt, one_pass, name)
     torch.library.opcheck(ops.bn_backward.default, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-def test_bn_backward_relu_and_dtypes(dtype):
+@pytest.mark.parametrize("shape", [(3, 5, 4, 6), (3, 5, 2, 3)], ids=["one_pass", "two_pass"])
+def test_bn_backward_relu_and_dtypes(dtype, shape):
     """The ReLU flag (y holds z in the accumulation dtype, derivative applied as dy is
-    read) and the reduced-precision and float64 inputs: bitwise the separate operators."""
+    read) and the reduced-precision and float64 inputs: the separate operators' results
+    (bitwise on the two-pass path, within a few ulp on the one-pass kernel)."""
     ops = torch.ops.inplace_abn
-    x, mean, var, w, b, r, p = _args(_activation.IDENTITY, torch.contiguous_format, True, dtype=dtype)
+    x, mean, var, w, b, r, p = _args(_activation.IDENTITY, torch.contiguous_format, True, dtype=dtype, shape=shape)
+    one_pass = _one_pass(x, True, (True,) * 4)
+    assert one_pass == (shape[2] * shape[3] >= 16)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     z = torch.empty_like(x, dtype=acc)
     mask = ops.forward_(x.clone(), mean, var, w, b, r, 1e-5, 0, 0.0, False, z)
@@ -128,15 +158,15 @@ def test_bn_backward_relu_and_dtypes(dtype):
     need = (True, True, True, True)
     got = ops.bn_backward(z, dy, mask, var, w, b, r, 1e-5, 0, 0.0, False, True, list(need), True)
     want = _separate_backward(z, dy, mask, var, w, b, r, 0, 0.0, False, True, need, relu=True)
-    for g, wt in zip(got, want):
-        assert g.dtype == wt.dtype and torch.equal(g, wt)
+    for name, g, wt in zip(("dx", "dweight", "dbias", "dresidual"), got, want):
+        _assert_matches(g, wt, one_pass, name)
     # and plain (non-ReLU) reduced-precision y, SiLU: no z path there
     y = x.clone()
     mask = ops.forward_(y, mean, var, w, b, r, 1e-5, _activation.SILU, 0.0, False)
     got = ops.bn_backward(y, dy, mask, var, w, b, r, 1e-5, _activation.SILU, 0.0, False, True, list(need))
     want = _separate_backward(y, dy, mask, var, w, b, r, _activation.SILU, 0.0, False, True, need)
-    for g, wt in zip(got, want):
-        assert g.dtype == wt.dtype and torch.equal(g, wt)
+    for name, g, wt in zip(("dx", "dweight", "dbias", "dresidual"), got, want):
+        _assert_matches(g, wt, one_pass, name)
 
 
 def test_bn_backward_refuses_what_it_lacks():
@@ -303,7 +333,8 @@ def test_z_path_refuses_what_it_cannot_do():
                          ids=str)
 def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
     """InPlaceABN with SiLU runs bn_backward's input pass from z in float32/float64 on the
-    CPU (and the inverting input pass otherwise): its profiler ranges say which. InPlaceAGN's
+    CPU (and the inverting input pass otherwise) where its one-pass kernel does not serve
+    y (channels-last here): its profiler ranges say which. InPlaceAGN's
     backward is one operator, gn_backward, which keeps z in its two-pass path the same way
     (src/ops/gn_backward.cpp: silu_keeps_z)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -319,6 +350,7 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
 
     x0 = torch.randn(2, 8, 4, 4, dtype=dtype, requires_grad=True)
     for layer, fmt in [(inplace_abn.InPlaceABN(8, activation="silu"), torch.contiguous_format),
+                       (inplace_abn.InPlaceABN(8, activation="silu"), torch.channels_last),
                        (inplace_abn.InPlaceAGN(4, 8, activation="silu"), torch.contiguous_format),
                        (inplace_abn.InPlaceAGN(4, 8, activation="silu"), torch.channels_last)]:
         layer = layer.to(dtype)
@@ -330,6 +362,9 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
             continue
         assert "inplace_abn::bn_backward" in calls.names, calls.names
         ranges = {e.name for e in prof.events() if e.name.startswith("inplace_abn::bn_backward (")}
+        if fmt == torch.contiguous_format:  # the one-pass kernel: gz and zc kept in a buffer, no z tensor
+            assert ranges == {"inplace_abn::bn_backward (one pass)"}, ranges
+            continue
         assert ranges == {"inplace_abn::bn_backward (reduce pass)",
                           "inplace_abn::bn_backward (input pass from z)" if kept
                           else "inplace_abn::bn_backward (input pass)"}, ranges

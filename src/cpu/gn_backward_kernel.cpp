@@ -3,42 +3,12 @@
 // to a per-thread buffer (blocks are L2-sized: gn_backward_fits, src/ops/gn_backward.cpp), its per-channel sums give
 // the group means, and dx = a gz + b zc + c0 is computed from the buffer: the activation is inverted once, and y and
 // dy come from memory once (identity and leaky_relu read them again from the cache, see kBuffer).
-#include "cpu/kernel_utils.h"
+#include "cpu/one_pass_backward.h"
 
 namespace inplace_abn {
 namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-// gz = dy f'(z) and zc = z - shift [- residual] of the vector at element e, whose
-// SiLU bit is `bit` of `mask`; lanes past cnt give 0 (to the sums).
-template <typename S, Act A, bool RES>
-struct GzZc {
-  using io = IO<S>;
-  using F = typename io::F;
-  using V = Vectorized<F>;
-  const S *y, *dy, *res;
-  MaskBits mask;
-  V p;
-  template <bool FULL>
-  void operator()(int64_t e, int64_t bit, int cnt, const V& sh, V& gz, V& zc) const {
-    const V left = A == Act::Silu ? from_bits<F>(mask(bit, cnt)) : V(F(0));
-    V d;
-    const V z = Activation<A, VecMath<F>>::inverse_deriv(io::template ld<FULL>(y + e, cnt), left, p, d);
-    gz = io::template ld<FULL>(dy + e, cnt) * d;
-    zc = z - sh;
-    if constexpr (RES) zc = zc - io::template ld<FULL>(res + e, cnt);
-    if constexpr (!FULL) {
-      gz = V::set(V(F(0)), gz, cnt);
-      zc = V::set(V(F(0)), zc, cnt);
-    }
-  }
-};
-
-// SiLU's and ELU's inverses cost more than a store and a load of zc and gz: these are kept in the buffer; identity
-// and leaky_relu recompute them from y and dy, which the first pass left in the cache.
-template <Act A>
-constexpr bool kBuffer = A == Act::Silu || A == Act::Elu;
 
 // What both layouts share: the table, outputs, per-(n, c) sums.
 template <typename S, Act A, bool RES>
@@ -89,8 +59,6 @@ void gn_backward_planes(const KernelArgs& a) {
   using F = typename io::F;
   using V = Vectorized<F>;
   constexpr int W = V::size();
-  constexpr int NP = DPair<F>::N;
-  using D = Vectorized<double>;
   GnArgs<S, A, RES> ga(a);
   const int64_t cg = ga.cg, P = ga.P, m = ga.m;
   at::parallel_for(0, ga.N * a.groups, std::max<int64_t>(1, kGrain / kCost<A> / m), [&](int64_t b0, int64_t b1) {
@@ -113,30 +81,8 @@ void gn_backward_planes(const KernelArgs& a) {
             zc.store(zcb + o + j);
           }
         };
-        // the sums as reduce2's planes: four vectors pairwise in F, then double
-        DPair<F> s1, s2;
-        for (int k = 0; k < NP; ++k) s1.v[k] = s2.v[k] = D(0.0);
-        auto add = [&](const V& u, const V& uv) {
-          const DPair<F> du = todp(u), dw = todp(uv);
-          for (int k = 0; k < NP; ++k) {
-            s1.v[k] = s1.v[k] + du.v[k];
-            s2.v[k] = s2.v[k] + dw.v[k];
-          }
-        };
-        int64_t j = 0;
-        for (; j + 4 * W <= P; j += 4 * W) {
-          V u0, v0, u1, v1, u2, v2, u3, v3;
-          kept(j, W, std::true_type{}, u0, v0);
-          kept(j + W, W, std::true_type{}, u1, v1);
-          kept(j + 2 * W, W, std::true_type{}, u2, v2);
-          kept(j + 3 * W, W, std::true_type{}, u3, v3);
-          add((u0 + u1) + (u2 + u3), at::vec::fmadd(u1, v1, u0 * v0) + at::vec::fmadd(u3, v3, u2 * v2));
-        }
-        for_vectors<W>(P - j, [&](int64_t jj, int cnt, auto full) {
-          V u, v;
-          kept(j + jj, cnt, full, u, v);
-          add(u, u * v);
-        });
+        DPair<F> s1 = dzero<F>(), s2 = dzero<F>();
+        add_span<F>(P, kept, s1, s2);
         sums[2 * col] = lane_sum(s1);
         sums[2 * col + 1] = lane_sum(s2);
       }

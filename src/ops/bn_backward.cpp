@@ -11,6 +11,23 @@
 
 namespace inplace_abn {
 
+KernelStub bn_backward_stub;
+
+namespace {
+
+// The one-pass CPU kernel keeps a channel's y and dy in the cache between its two passes (and SiLU / ELU their gz
+// and zc in two buffers of the compute type): 2^16 elements are 512 KB in float32, within L2.
+constexpr int64_t kBnBackwardMaxChannel = int64_t(1) << 16;
+
+// Whether the one-pass kernel serves y: a contiguous CPU y whose planes hold a vector and whose channels fit.
+bool bn_backward_fits(const at::Tensor& y) {
+  if (!y.is_cpu() || y.dim() < 3 || y.numel() == 0 || !y.is_contiguous()) return false;
+  const int64_t N = y.size(0), C = y.size(1), P = y.numel() / (N * C);
+  return P >= 16 && N * P <= kBnBackwardMaxChannel;
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
     const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
     const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation, double activation_param,
@@ -47,7 +64,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
   }
   const at::Tensor dx = input ? new_like(y) : at::Tensor();  // (keep_z: z, then dx over it)
   const at::Tensor dres = need_r ? new_like(y) : at::Tensor();
-  if (y.numel()) {
+  if (y.numel() && reduce && input && bn_backward_fits(y)) {
+    const TableGuard table_guard;
+    RECORD_FUNCTION("inplace_abn::bn_backward (one pass)", std::vector<c10::IValue>());
+    const std::array<ChannelInput, 3> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight"),
+                                         grp.stat(var, 0.0, y, "var")};
+    const at::Tensor coef = coef_table<Table::GnBackward>(
+        y, in, {.eps = eps, .has_weight = weight.has_value(), .signed_weight = signed_weight});
+    bn_backward_stub({.x = y, .dy = like(gy, y), .residual = like(residual, y), .mask = mask, .coef = coef,
+                      .out1 = dx, .out2 = dres, .relu = kernel_relu, .g = g, .act = act, .param = activation_param,
+                      .sum_gz = sum_gz, .sum_gz_xhat = sum_gzx, .sums_scale = scale});
+  } else if (y.numel()) {
     const TableGuard table_guard;
     const at::Tensor gyl = like(gy, y), res = like(residual, y);
     // (profiler ranges: a profile shows the passes; tests/test_launches.py counts them)

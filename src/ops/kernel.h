@@ -46,6 +46,8 @@ struct KernelArgs {
   // gn_backward: the groups, and the (C,) sums over the batch of gz and gz xhat
   int64_t groups = 0;
   at::Tensor sum_gz, sum_gz_xhat;
+  // bn_backward: the scale of the sums in the input pass (1/n in training, 0 in eval)
+  double sums_scale = 0.0;
 };
 
 using Kernel = void (*)(const KernelArgs&);
@@ -84,7 +86,8 @@ struct KernelStub {
   Kernel cuda;
   void operator()(const KernelArgs& a) const;
 };
-extern KernelStub batch_stats_stub, forward_stub, backward_reduce_stub, backward_input_stub, gn_backward_stub;
+extern KernelStub batch_stats_stub, forward_stub, backward_reduce_stub, backward_input_stub, gn_backward_stub,
+    bn_backward_stub;
 
 // At namespace scope in a kernel file: the stub runs fn on the CPU (in the file's CPU_CAPABILITY) or on CUDA.
 #define IABN_REGISTER_KERNEL(stub, slot, fn) \
