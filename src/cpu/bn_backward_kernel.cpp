@@ -55,22 +55,8 @@ void bn_backward_planes(const KernelArgs& a) {
       // the channel's means of gz zc and g~ gz (in eval the statistics are constants: scale 0 drops them)
       double row[3];
       gn_input_row(g, static_cast<double>(rstd[c]), scale ? t2 * scale : 0.0, scale ? g * t1 * scale : 0.0, row);
-      const V ca(static_cast<F>(row[0])), cb(static_cast<F>(row[1])), cc(static_cast<F>(row[2]));
-      for (int64_t n = 0; n < N; ++n) {
-        const int64_t e = (n * C + c) * P, o = n * P;
-        for_vectors<W>(P, [&](int64_t j, int cnt, auto full) {
-          constexpr bool FULL = decltype(full)::value;
-          V gz, zc;
-          if constexpr (kBuffer<A>) {
-            gz = V::loadu(gzb + o + j);
-            zc = V::loadu(zcb + o + j);
-          } else {
-            el.template operator()<FULL>(e + j, e + j, cnt, sh, gz, zc);
-          }
-          io::template st<FULL>(dx + e + j, at::vec::fmadd(ca, gz, at::vec::fmadd(cb, zc, cc)), cnt);
-          if (dres) io::template st<FULL>(dres + e + j, gz, cnt);
-        });
-      }
+      const std::array<V, 3> coef{V(static_cast<F>(row[0])), V(static_cast<F>(row[1])), V(static_cast<F>(row[2]))};
+      for (int64_t n = 0; n < N; ++n) dx_span(P, (n * C + c) * P, n * P, el, sh, coef, gzb, zcb, dx, dres);
     }
   });
 }

@@ -91,20 +91,8 @@ void gn_backward_planes(const KernelArgs& a) {
         const int64_t col = col0 + c, e = col * P, o = c * P;
         double row[3];
         gn_input_row(ga.gain[col], ga.rstd[col], mzx, mz, row);
-        const V ca(static_cast<F>(row[0])), cb(static_cast<F>(row[1])), c0(static_cast<F>(row[2]));
-        const V sh(ga.shift[col]);
-        for_vectors<W>(P, [&](int64_t j, int cnt, auto full) {
-          constexpr bool FULL = decltype(full)::value;
-          V gz, zc;
-          if constexpr (kBuffer<A>) {
-            gz = V::loadu(gzb + o + j);
-            zc = V::loadu(zcb + o + j);
-          } else {
-            el.template operator()<FULL>(e + j, e + j, cnt, sh, gz, zc);
-          }
-          io::template st<FULL>(dx + e + j, at::vec::fmadd(ca, gz, at::vec::fmadd(cb, zc, c0)), cnt);
-          if (dres) io::template st<FULL>(dres + e + j, gz, cnt);
-        });
+        const std::array<V, 3> coef{V(static_cast<F>(row[0])), V(static_cast<F>(row[1])), V(static_cast<F>(row[2]))};
+        dx_span(P, e, o, el, V(ga.shift[col]), coef, gzb, zcb, dx, dres);
       }
     }
   });

@@ -3,6 +3,8 @@
 // Both then write dx = a gz + b zc + c0 while the block's y and dy are still in the cache.
 #pragma once
 
+#include <array>
+
 #include "cpu/kernel_utils.h"
 
 namespace inplace_abn {
@@ -67,6 +69,26 @@ inline void add_span(int64_t n, const Kept& kept, DPair<F>& s1, DPair<F>& s2) {
     V u, v;
     kept(j + jj, cnt, full, u, v);
     add(u, u * v);
+  });
+}
+
+// The second pass over a span of n elements at e (memory) / o (buffer): dx = a gz + b zc + c0 from the buffer
+// (kBuffer) or from y and dy again, and gz into dres when wanted.
+template <typename S, Act A, bool RES, bool RELU, typename F = typename IO<S>::F>
+inline void dx_span(int64_t n, int64_t e, int64_t o, const GzZc<S, A, RES, RELU>& el, const Vectorized<F>& sh,
+                    const std::array<Vectorized<F>, 3>& row, const F* gzb, const F* zcb, S* dx, S* dres) {
+  using V = Vectorized<F>;
+  for_vectors<V::size()>(n, [&](int64_t j, int cnt, auto full) {
+    constexpr bool FULL = decltype(full)::value;
+    V gz, zc;
+    if constexpr (kBuffer<A>) {
+      gz = V::loadu(gzb + o + j);
+      zc = V::loadu(zcb + o + j);
+    } else {
+      el.template operator()<FULL>(e + j, e + j, cnt, sh, gz, zc);
+    }
+    IO<S>::template st<FULL>(dx + e + j, at::vec::fmadd(row[0], gz, at::vec::fmadd(row[1], zc, row[2])), cnt);
+    if (dres) IO<S>::template st<FULL>(dres + e + j, gz, cnt);
   });
 }
 
