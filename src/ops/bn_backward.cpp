@@ -1,9 +1,11 @@
 // inplace_abn::bn_backward: the whole backward of the local BatchNorm layer in one operator call, as stock's
 // native_batch_norm_backward: the reduce pass (when its sums are needed), the input pass (from the reduce pass's z
 // for SiLU on the CPU, docs/DESIGN.md section 7.2) and the parameters' gradients, behind one front end: one set of
-// checks, guards and dy conversion, and no dispatcher round trip between the passes. The local layer's C++
-// autograd calls it (src/ops/autograd.cpp); the synchronised layer calls backward_reduce and backward_input, as
-// its all-reduce sits between them.
+// checks, guards and dy conversion, and no dispatcher round trip between the passes. A contiguous CPU y whose
+// channels fit the cache runs both passes channel by channel instead, reading y and dy from memory once
+// (src/cpu/bn_backward_kernel.cpp, docs/DESIGN.md section 6.2). The local layer's autograd (C++, and the Python
+// path on the native backend) calls it; the synchronised layer calls backward_reduce and backward_input, as its
+// all-reduce sits between them.
 #include <ATen/record_function.h>
 
 #include "ops/backward_passes.h"
