@@ -8,7 +8,7 @@ import torch
 
 from cases import LAYOUTS, PARAM, errors, floor, make_case, run
 from reference import ACTIVATIONS as REFERENCE_ACTIVATIONS, inplace_floor, rel_err
-from inplace_abn import HAS_NATIVE, functions
+from inplace_abn import HAS_NATIVE, InPlaceABN, functions
 from inplace_abn._activation import is_invertible
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -128,6 +128,23 @@ def test_residual_matches_stock(backend, activation, layout, dtype, training):
 def test_mixed_walks_match_stock(backend, activation, dtype, with_residual):
     case = make_case((8, 512, 4, 4), dtype, seed=seed_of(activation, dtype, with_residual))
     check(case, "4d", activation, "signed", with_residual=with_residual)
+
+
+# bn_backward's one-pass CPU kernel serves channels of at most 2^16 elements (src/ops/bn_backward.cpp,
+# bn_backward_fits): the largest one (its SiLU / ELU buffers full) and the smallest beyond, which takes two passes.
+@pytest.mark.parametrize("shape", [(16, 2, 64, 64), (17, 2, 64, 64)], ids=["one_pass_largest", "two_pass_smallest"])
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu", "elu"])
+def test_one_pass_channel_limit_matches_stock(backend, activation, shape):
+    case = make_case(shape, torch.float32, seed=seed_of(activation, shape))
+    check(case, "4d", activation, "abs", with_residual=True)
+    if backend == "native":  # and the kernel the limit says ran (bn_backward's profiler ranges)
+        layer = InPlaceABN(shape[1], activation=activation)
+        x = torch.randn(shape, requires_grad=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            layer(x * 1).sum().backward()
+        ranges = {e.name for e in prof.events() if e.name.startswith("inplace_abn::bn_backward (")}
+        one_pass = shape[0] * shape[2] * shape[3] <= 1 << 16
+        assert (ranges == {"inplace_abn::bn_backward (one pass)"}) == one_pass, ranges
 
 
 HOSTILE = {
