@@ -120,8 +120,10 @@ def test_residual_matches_stock(backend, activation, layout, dtype, training):
     check(case, layout, activation, "signed", training=training, with_residual=True)
 
 
-# Planes of 16 elements with N < 16 and a channel pattern of 8192: the cheap activations' element-wise kernels walk
-# planes, the reductions rows (src/cpu/kernel_utils.h walk_of); one layer mixes both walks.
+# Planes of 16 elements with N < 16 and a channel pattern of 8192: the cheap activations' forward_ walks planes,
+# batch_stats rows (src/cpu/kernel_utils.h walk_of); one layer mixes both walks. (Its backward runs bn_backward's
+# one-pass kernel here: backward_input's planes walk at such shapes, which only the synchronised layer and frozen
+# eval-mode layers now take, has no accuracy test of its own.)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("activation", ["identity", "leaky_relu", "relu"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
