@@ -9,7 +9,7 @@ import torch
 from cases import LAYOUTS, PARAM, errors, floor, make_case, run
 from reference import ACTIVATIONS as REFERENCE_ACTIVATIONS, inplace_floor, rel_err
 from inplace_abn import HAS_NATIVE, InPlaceABN, functions
-from inplace_abn._activation import is_invertible
+from inplace_abn._activation import CODES, is_invertible
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 ACTIVATIONS = ["identity", "leaky_relu", "elu", "silu", "relu"]
@@ -122,14 +122,42 @@ def test_residual_matches_stock(backend, activation, layout, dtype, training):
 
 # Planes of 16 elements with N < 16 and a channel pattern of 8192: the cheap activations' forward_ walks planes,
 # batch_stats rows (src/cpu/kernel_utils.h walk_of); one layer mixes both walks. (Its backward runs bn_backward's
-# one-pass kernel here: backward_input's planes walk at such shapes, which only the synchronised layer and frozen
-# eval-mode layers now take, has no accuracy test of its own.)
+# one-pass kernel here; backward_input's planes walk at this shape has its own test below.)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("activation", ["identity", "leaky_relu", "relu"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_mixed_walks_match_stock(backend, activation, dtype, with_residual):
     case = make_case((8, 512, 4, 4), dtype, seed=seed_of(activation, dtype, with_residual))
     check(case, "4d", activation, "signed", with_residual=with_residual)
+
+
+# The synchronised layer and frozen eval-mode layers take the two backward passes at shapes the local layer sends to
+# bn_backward's one-pass kernel: backward_reduce, then backward_input walking planes of 16 (8x512x4x4), called here
+# as the synchronised layer calls them (its sums scaled by 1/n in the operator), against float64.
+@pytest.mark.skipif(not HAS_NATIVE, reason="native extension not built")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("activation", ["identity", "leaky_relu", "elu", "silu"])
+def test_two_pass_operators_on_small_planes_match_stock(activation, dtype):
+    ops = torch.ops.inplace_abn
+    case = make_case((8, 512, 4, 4), dtype, seed=seed_of("two_pass", activation, dtype))
+    act, p = CODES[activation], PARAM[activation]
+    x, dy, w, b = case["x"], case["dy"], case["w"], case["b"]
+    y = x.clone()
+    mean, var = ops.batch_stats(y)
+    mask = ops.forward_(y, mean, var, w, b, None, 1e-5, act, p, True)
+    s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, None, 1e-5, act, p, True)
+    dx, _ = ops.backward_input(y, dy, mask, var, w, b, None, s_g, s_gx, 1e-5, act, p, True, False,
+                               1.0 / (x.numel() // x.shape[1]))
+    ours = dict(y=y, dx=dx, dw=s_gx, db=s_g)
+    args = (torch.contiguous_format, True, activation, "signed", False)
+    ref = run(case, "stock", *args, dtype=torch.float64)
+    err = errors(ours, ref)
+    if dtype == torch.float64:
+        assert max(err.values()) < 1e-10, err
+        return
+    limit = bounds(dtype, activation, errors(run(case, "stock", *args), ref))
+    bad = {k: (e, limit[k]) for k, e in err.items() if e > limit[k]}
+    assert not bad, f"errors above bound (ours, bound): {bad}"
 
 
 # bn_backward's one-pass CPU kernel serves channels of at most 2^16 elements (src/ops/bn_backward.cpp,
