@@ -23,23 +23,14 @@ void batch_stats_t(const KernelArgs& a) {
       g, K.data(),
       [=](int64_t i, int64_t j, int cnt, auto full, const auto& co, V& u, V& v) {
         constexpr bool FULL = decltype(full)::value;
-        V k = co.get(0, j);
-        // invalid lanes of a partial vector read as K: d = 0 there
         if constexpr (FULL) prefetch(x + i + kPrefetch);
-        const V xv = FULL ? io::load(x + i) : V::set(k, io::load(x + i, cnt), cnt);
-        // exact when |x - K| <= |K| (Sterbenz), i.e. wherever |mean| >> std
-        u = xv - k;
-        v = u;
+        shifted_pair<FULL>(x + i, cnt, co.get(0, j), u, v);
       },
       s1.data(), s2.data());
   const double n = static_cast<double>(g.numel / C);
   F* mean = a.out1.data_ptr<F>();
   F* var = a.out2.data_ptr<F>();
-  for (int64_t c = 0; c < C; ++c) {
-    const double m = s1[c] / n;
-    mean[c] = static_cast<F>(static_cast<double>(K[c]) + m);
-    var[c] = static_cast<F>(std::max(s2[c] / n - m * m, 0.0));
-  }
+  for (int64_t c = 0; c < C; ++c) channel_stats(K[c], s1[c], s2[c], n, mean[c], var[c]);
 }
 
 void batch_stats_kernel(const KernelArgs& a) {

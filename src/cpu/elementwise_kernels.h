@@ -26,44 +26,61 @@ namespace {
 template <Act A>
 constexpr bool kPairedRows = kCost<A> == 1;
 
-template <typename S, Act A, bool RES, bool ZOUT, bool PAIRED>
-void forward_t(const KernelArgs& a) {
+// forward_'s element step, shared with bn_forward's kernel: z from the input vector at element i and the
+// coefficient vectors (ForwardRow), y = f(z) into x (ZOUT: z into z_out, max(z, 0) into x); SiLU: z's branch bits
+// into bw.
+template <typename S, Act A, bool RES, bool ZOUT>
+struct ForwardStep {
   using io = IO<S>;
   using F = typename io::F;
   using V = Vectorized<F>;
-  using Ac = Activation<A, VecMath<F>>;
+  S* x;
+  const S *in, *res;
+  F* zout;
+  V p;
+  ForwardStep(const KernelArgs& a, const at::Tensor& z_out)
+      : x(a.x.data_ptr<S>()),
+        in(a.source.defined() ? a.source.const_data_ptr<S>() : x),
+        res(RES ? a.residual.const_data_ptr<S>() : nullptr),
+        zout(ZOUT ? z_out.data_ptr<F>() : nullptr),
+        p(static_cast<F>(a.param)) {}
+  template <bool FULL>
+  void operator()(int64_t i, int cnt, const V& mean_hi, const V& mean_lo, const V& scale, const V& shift,
+                  BitWriter& bw) const {
+    V z = at::vec::fmadd((io::template ld<FULL>(in + i, cnt) - mean_hi) - mean_lo, scale, shift);
+    if constexpr (RES) z = z + io::template ld<FULL>(res + i, cnt);
+    if constexpr (ZOUT) {
+      if constexpr (FULL)
+        z.store(zout + i);
+      else
+        z.store(zout + i, cnt);
+      io::template st<FULL>(x + i, at::vec::clamp_min(z, V(F(0))), cnt);  // NaN stays NaN, as torch.relu
+    } else {
+      io::template st<FULL>(x + i, Activation<A, VecMath<F>>::forward(z, p), cnt);
+    }
+    if constexpr (A == Act::Silu) {  // Silu::branch(z) = [z < z*], one compare
+      const uint32_t bits = lt_bits(z, V(static_cast<F>(kSiluZStar)));
+      bw.put(FULL ? bits : bits & low_bits(cnt), cnt);
+    }
+  }
+};
+
+template <typename S, Act A, bool RES, bool ZOUT, bool PAIRED>
+void forward_t(const KernelArgs& a) {
+  using F = typename IO<S>::F;
   constexpr bool MASK = A == Act::Silu;
   static_assert(!(MASK && PAIRED), "the mask bits are written in memory order");
   const Walk g = walk_of(a.g, kCost<A>, true);
   const CoefRows<F, kFwdRows> cr(a, g);
-  S* x = a.x.data_ptr<S>();
-  const S* in = a.source.defined() ? a.source.const_data_ptr<S>() : x;
-  const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   int32_t* mask = MASK ? a.mask.data_ptr<int32_t>() : nullptr;
-  F* zout = ZOUT ? a.out1.data_ptr<F>() : nullptr;
-  const V p(static_cast<F>(a.param));
+  const ForwardStep<S, A, RES, ZOUT> fs(a, a.out1);
   // Tasks start on mask-word boundaries so that no two write the same word.
   at::parallel_for(0, (g.numel + 31) / 32, kGrain / kCost<A> / 32, [&](int64_t w0, int64_t w1) {
     BitWriter bw(MASK ? mask + w0 : nullptr);
     // by value: by reference, each vector store reloaded the pointers (forward_ 0.50 -> 0.38 ms; see for_each_vector)
     const auto step = [=, &bw](int64_t i, int64_t j, int cnt, auto full, const auto& co) {
-      constexpr bool FULL = decltype(full)::value;
-      V z = at::vec::fmadd((io::template ld<FULL>(in + i, cnt) - co.get(kFwdMeanHi, j)) - co.get(kFwdMeanLo, j),
-                           co.get(kFwdScale, j), co.get(kFwdShift, j));
-      if constexpr (RES) z = z + io::template ld<FULL>(res + i, cnt);
-      if constexpr (ZOUT) {
-        if constexpr (FULL)
-          z.store(zout + i);
-        else
-          z.store(zout + i, cnt);
-        io::template st<FULL>(x + i, at::vec::clamp_min(z, V(F(0))), cnt);  // NaN stays NaN, as torch.relu
-      } else {
-        io::template st<FULL>(x + i, Ac::forward(z, p), cnt);
-      }
-      if constexpr (MASK) {  // Silu::branch(z) = [z < z*], one compare
-        const uint32_t bits = lt_bits(z, V(static_cast<F>(kSiluZStar)));
-        bw.put(FULL ? bits : bits & low_bits(cnt), cnt);
-      }
+      fs.template operator()<decltype(full)::value>(i, cnt, co.get(kFwdMeanHi, j), co.get(kFwdMeanLo, j),
+                                                    co.get(kFwdScale, j), co.get(kFwdShift, j), bw);
     };
     for_each_vector<PAIRED>(g, cr, w0 * 32, std::min(w1 * 32, g.numel), step);
     if (MASK) bw.flush();

@@ -686,6 +686,61 @@ inline double lane_sum(const DPair<F>& a) {
   return t[0];
 }
 
+// reduce2's sums of one plane part of n elements (sum u, sum u v, in double): four vectors combined pairwise in F,
+// then added in double; the last vectors one by one, their products taken in double. uv(j, cnt, full, u, v): the
+// pair at offset j (invalid lanes: u = 0, v finite). bn_forward's kernel sums a channel's planes with it, so that its
+// statistics are batch_stats' to the bit.
+template <typename F, class UV>
+inline std::pair<double, double> plane_sums(int64_t n, const UV& uv) {
+  using V = Vectorized<F>;
+  using D = Vectorized<double>;
+  constexpr int W = V::size();
+  constexpr int NP = DPair<F>::N;
+  DPair<F> s1, s2;
+  for (int k = 0; k < NP; ++k) s1.v[k] = s2.v[k] = D(0.0);
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    V u0, v0, u1, v1, u2, v2, u3, v3;
+    uv(j, W, std::true_type{}, u0, v0);
+    uv(j + W, W, std::true_type{}, u1, v1);
+    uv(j + 2 * W, W, std::true_type{}, u2, v2);
+    uv(j + 3 * W, W, std::true_type{}, u3, v3);
+    const DPair<F> du = todp((u0 + u1) + (u2 + u3));
+    const DPair<F> dw = todp(at::vec::fmadd(u1, v1, u0 * v0) + at::vec::fmadd(u3, v3, u2 * v2));
+    for (int k = 0; k < NP; ++k) {
+      s1.v[k] = s1.v[k] + du.v[k];
+      s2.v[k] = s2.v[k] + dw.v[k];
+    }
+  }
+  for_vectors<W>(n - j, [&](int64_t jj, int cnt, auto full) {
+    V uu, vv;
+    uv(j + jj, cnt, full, uu, vv);
+    const DPair<F> du = todp(uu), dv = todp(vv);
+    for (int k = 0; k < NP; ++k) {
+      s1.v[k] = s1.v[k] + du.v[k];
+      s2.v[k] = at::vec::fmadd(du.v[k], dv.v[k], s2.v[k]);
+    }
+  });
+  return {lane_sum(s1), lane_sum(s2)};
+}
+
+// batch_stats' pair for reduce2 / plane_sums: d = x - K as both u and v (sum d, sum d^2), lanes past cnt read as K
+// (d = 0 there). d is exact when |x - K| <= |K| (Sterbenz), i.e. wherever |mean| >> std.
+template <bool FULL, typename S, typename F = typename IO<S>::F>
+inline void shifted_pair(const S* x, int cnt, const Vectorized<F>& k, Vectorized<F>& u, Vectorized<F>& v) {
+  const Vectorized<F> xv = FULL ? IO<S>::load(x) : Vectorized<F>::set(k, IO<S>::load(x, cnt), cnt);
+  u = xv - k;
+  v = u;
+}
+
+// A channel's mean and biased variance from the sums s1, s2 of d = x - K over its n elements, rounded once to F.
+template <typename F>
+inline void channel_stats(F K, double s1, double s2, double n, F& mean, F& var) {
+  const double m = s1 / n;
+  mean = static_cast<F>(static_cast<double>(K) + m);
+  var = static_cast<F>(std::max(s2 / n - m * m, 0.0));
+}
+
 // elem(i, j, cnt, full, co, u, v): for the vector of elements at flat index i, segment offset j (cnt valid lanes;
 // invalid lanes must give u = 0 and a finite v), the compute-type vectors u, v; the sums are sum u and sum u v,
 // taken in double. Planes: four consecutive vectors are first combined pairwise in the compute type (two more
@@ -730,36 +785,11 @@ void reduce2(const Walk& g, const F* coef, const Elem& elem, double* out1, doubl
           ++pl;
           c = c + 1 == C ? 0 : c + 1;
         }
-        DPair<F> s1, s2;
-        for (int k = 0; k < NP; ++k) s1.v[k] = s2.v[k] = D(0.0);
-        auto acc_exact = [&](const V& uu, const V& vv) {
-          DPair<F> du = todp(uu), dv = todp(vv);
-          for (int k = 0; k < NP; ++k) {
-            s1.v[k] = s1.v[k] + du.v[k];
-            s2.v[k] = at::vec::fmadd(du.v[k], dv.v[k], s2.v[k]);
-          }
-        };
-        int64_t j = 0;
-        for (; j + 4 * W <= n; j += 4 * W) {  // four vectors summed pairwise in F first, then in double
-          V u0, v0, u1, v1, u2, v2, u3, v3;
-          el(b + j, j, W, std::true_type{}, co, u0, v0);
-          el(b + j + W, j + W, W, std::true_type{}, co, u1, v1);
-          el(b + j + 2 * W, j + 2 * W, W, std::true_type{}, co, u2, v2);
-          el(b + j + 3 * W, j + 3 * W, W, std::true_type{}, co, u3, v3);
-          DPair<F> du = todp((u0 + u1) + (u2 + u3));
-          DPair<F> dw = todp(at::vec::fmadd(u1, v1, u0 * v0) + at::vec::fmadd(u3, v3, u2 * v2));
-          for (int k = 0; k < NP; ++k) {
-            s1.v[k] = s1.v[k] + du.v[k];
-            s2.v[k] = s2.v[k] + dw.v[k];
-          }
-        }
-        for_vectors<W>(n - j, [&](int64_t jj, int cnt, auto full) {
-          V uu, vv;
-          el(b + j + jj, j + jj, cnt, full, co, uu, vv);
-          acc_exact(uu, vv);
+        const auto sums = plane_sums<F>(n, [&](int64_t j, int cnt, auto full, V& uu, V& vv) {
+          el(b + j, j, cnt, full, co, uu, vv);
         });
-        buf[2 * u] = lane_sum(s1);
-        buf[2 * u + 1] = lane_sum(s2);
+        buf[2 * u] = sums.first;
+        buf[2 * u + 1] = sums.second;
       }
     });
     // per channel in unit order (samples, then plane parts), walking buf in memory order

@@ -58,31 +58,42 @@ std::tuple<at::Tensor, at::Tensor> group_stats(const at::Tensor& x, const OptTen
 
 }  // namespace
 
+int64_t check_batch_stats(const at::Tensor& x, const OptTensor& running_mean, const OptTensor& running_var) {
+  check_input(x, "x");
+  check_channel_vector(running_mean, x, "running_mean");
+  check_channel_vector(running_var, x, "running_var");
+  const int64_t C = x.size(1), n = C > 0 ? x.numel() / C : 0;
+  const bool update = running_mean.has_value() || running_var.has_value();
+  // (n = 0: the running statistics stay as they are)
+  TORCH_CHECK(!update || n != 1, "inplace_abn: expected more than 1 value per channel when training, got ", n);
+  return n;
+}
+
+void update_running_stats(const at::Tensor& x, const OptTensor& running_mean, const OptTensor& running_var,
+                          const at::Tensor& mean, const at::Tensor& var, int64_t n, double momentum) {
+  if (n == 0 || !(running_mean.has_value() || running_var.has_value())) return;
+  const at::NoGradGuard no_grad;  // buffers: no autograd history
+  const double var_factor = double(n) / double(n - 1);
+  if (!x.is_cpu()) {
+    device_channel_stub(x).running(running_mean.value_or(at::Tensor()), mean, running_var.value_or(at::Tensor()),
+                                   var, var_factor, momentum);
+  } else {
+    if (running_mean.has_value()) move_running(*running_mean, mean, 1.0, momentum);
+    if (running_var.has_value()) move_running(*running_var, var, var_factor, momentum);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x, const OptTensor& running_mean,
                                                const OptTensor& running_var, double momentum, int64_t groups) {
   check_input(x, "x");
   if (groups != 0) return group_stats(x, running_mean, running_var, groups);
-  check_channel_vector(running_mean, x, "running_mean");
-  check_channel_vector(running_var, x, "running_var");
-  const int64_t C = x.size(1), n = C > 0 ? x.numel() / C : 0;
+  const int64_t n = check_batch_stats(x, running_mean, running_var), C = x.size(1);
   const auto opts = x.options().dtype(acc_type_of(x.scalar_type()));
-  if (x.numel() == 0) return {at::zeros({C}, opts), at::zeros({C}, opts)};  // n = 0: running stats unchanged
-  const bool update = running_mean.has_value() || running_var.has_value();
-  TORCH_CHECK(!update || n > 1, "inplace_abn: expected more than 1 value per channel when training, got ", n);
+  if (x.numel() == 0) return {at::zeros({C}, opts), at::zeros({C}, opts)};
   c10::OptionalDeviceGuard guard(x.device());
   const at::Tensor mean = new_empty({C}, opts), var = new_empty({C}, opts);
   batch_stats_stub({.x = x, .out1 = mean, .out2 = var, .g = geometry_of(x, "x")});
-  if (update) {
-    const at::NoGradGuard no_grad;  // buffers: no autograd history
-    const double var_factor = double(n) / double(n - 1);
-    if (!x.is_cpu()) {
-      device_channel_stub(x).running(running_mean.value_or(at::Tensor()), mean, running_var.value_or(at::Tensor()),
-                                     var, var_factor, momentum);
-    } else {
-      if (running_mean.has_value()) move_running(*running_mean, mean, 1.0, momentum);
-      if (running_var.has_value()) move_running(*running_var, var, var_factor, momentum);
-    }
-  }
+  update_running_stats(x, running_mean, running_var, mean, var, n, momentum);
   return {mean, var};
 }
 

@@ -351,4 +351,14 @@ struct Groups {
 // autograd or version-counter bookkeeping (1.5 us less per operator call).
 using TableGuard = c10::InferenceMode;
 
+// The parts of batch_stats and forward_ that bn_forward (their fusion) shares with them:
+// batch_stats' checks of x and the running statistics in the BatchNorm mode; returns the count n = numel / C.
+int64_t check_batch_stats(const at::Tensor& x, const OptTensor& running_mean, const OptTensor& running_var);
+// The running statistics moved towards the batch's mean and var, as torch.nn.BatchNorm (n = 0: left as they are).
+void update_running_stats(const at::Tensor& x, const OptTensor& running_mean, const OptTensor& running_var,
+                          const at::Tensor& mean, const at::Tensor& var, int64_t n, double momentum);
+// forward_'s checks of x, residual, z_out and source; returns the (uninitialised) SiLU mask, empty for the others.
+at::Tensor check_forward(const at::Tensor& x, const OptTensor& residual, Act act, const OptTensor& z_out,
+                         const Groups& grp, const OptTensor& source);
+
 }  // namespace inplace_abn

@@ -11,10 +11,8 @@ namespace inplace_abn {
 
 KernelStub forward_stub;
 
-at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var, const OptTensor& weight,
-                    const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation,
-                    double activation_param, bool signed_weight, const OptTensor& z_out, int64_t groups,
-                    const OptTensor& source) {
+at::Tensor check_forward(const at::Tensor& x, const OptTensor& residual, Act act, const OptTensor& z_out,
+                         const Groups& grp, const OptTensor& source) {
   check_input(x, "x");
   if (source.has_value()) {  // read in lockstep with x: the same elements at the same offsets
     TORCH_CHECK(source->sizes() == x.sizes() && source->scalar_type() == x.scalar_type() &&
@@ -27,21 +25,29 @@ at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
     TORCH_CHECK(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::Full,
                 "inplace_abn: source and x share part of their memory: the output would overwrite input not yet read");
   }
-  const Act act = to_act(activation);
-  const Groups grp(x, groups);
-  const std::array<ChannelInput, 4> in{grp.stat(mean, 0.0, x, "mean"), grp.stat(var, 0.0, x, "var"),
-                                       grp.param(weight, 1.0, x, "weight"), grp.param(bias, 0.0, x, "bias")};
   check_like(residual, x, "residual");
   if (z_out.has_value()) {  // one write of z, in the dtype and memory order the kernel stores it
     check_like(z_out, x, "z_out");
     TORCH_CHECK(act == Act::Identity, "inplace_abn: z_out is the ReLU path and needs activation 0 (identity), got ",
-                activation);
+                static_cast<int>(act));
     TORCH_CHECK(z_out->scalar_type() == acc_type_of(x.scalar_type()), "inplace_abn: z_out must be ",
                 acc_type_of(x.scalar_type()), " for a ", x.scalar_type(), " input, got ", z_out->scalar_type());
     TORCH_CHECK(is_channels_last(x) ? is_channels_last(*z_out) : z_out->is_contiguous(),
                 "inplace_abn: z_out must have x's memory layout (contiguous or channels-last)");
   }
-  at::Tensor mask = new_empty({act == Act::Silu ? grp.mask_size(x) : 0}, x.options().dtype(at::kInt));
+  return new_empty({act == Act::Silu ? grp.mask_size(x) : 0}, x.options().dtype(at::kInt));
+}
+
+at::Tensor forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var, const OptTensor& weight,
+                    const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation,
+                    double activation_param, bool signed_weight, const OptTensor& z_out, int64_t groups,
+                    const OptTensor& source) {
+  check_input(x, "x");
+  const Act act = to_act(activation);
+  const Groups grp(x, groups);
+  const std::array<ChannelInput, 4> in{grp.stat(mean, 0.0, x, "mean"), grp.stat(var, 0.0, x, "var"),
+                                       grp.param(weight, 1.0, x, "weight"), grp.param(bias, 0.0, x, "bias")};
+  at::Tensor mask = check_forward(x, residual, act, z_out, grp, source);
   if (x.numel() == 0) return mask;
   c10::OptionalDeviceGuard guard(x.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
