@@ -148,6 +148,13 @@ def _register_fakes():
         words = parts * ((x.numel() // parts + 31) // 32) if activation == 3 else 0
         return x.new_empty(words, dtype=torch.int32)
 
+    @torch.library.register_fake("inplace_abn::bn_forward_")
+    def _(x, weight, bias, running_mean, running_var, residual, momentum, eps, activation, activation_param,
+          signed_weight, z_out=None, source=None):
+        words = (x.numel() + 31) // 32 if activation == 3 else 0
+        C = x.shape[1]
+        return x.new_empty(words, dtype=torch.int32), x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
+
     @torch.library.register_fake("inplace_abn::backward_reduce")
     def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
           groups=0, relu=False):

@@ -40,20 +40,21 @@ def _counted(layer, x, dy):
 @pytest.mark.parametrize("activation,param", [("leaky_relu", 0.01), ("silu", 0.0), ("elu", 1.0),
                                               ("identity", 0.0)])
 def test_training_call_counts(activation, param, fmt):
-    """Training: forward = batch_stats (with the running-statistics update) + forward_, the
-    layer counting the batch in num_batches_tracked without an operator call (a new
-    version of the buffer, as add_ would make); backward = bn_backward (both passes and
-    dweight in one call, as stock's native_batch_norm_backward)."""
+    """Training: forward = bn_forward_ (batch_stats with the running-statistics update, then
+    forward_, in one call, as stock's native_batch_norm), the layer counting the batch in
+    num_batches_tracked without an operator call (a new version of the buffer, as add_
+    would make); backward = bn_backward (both passes and dweight in one call, as stock's
+    native_batch_norm_backward)."""
     layer = InPlaceABN(16, activation=activation, activation_param=param)
     x = torch.randn(4, 16, 8, 8).contiguous(memory_format=fmt)
     version = layer.num_batches_tracked._version
     fwd, bwd, fr, br = _counted(layer, x, torch.randn_like(x))
-    assert fwd == ["inplace_abn.batch_stats.default", "inplace_abn.forward_.default"], fwd
+    assert fwd == ["inplace_abn.bn_forward_.default"], fwd
     assert layer.num_batches_tracked.item() == 1 and layer.num_batches_tracked._version == version + 1
     # preserve_input: the output's allocation, and no copy of x (forward_ reads it)
     out = InPlaceABN(16, activation=activation, activation_param=param, preserve_input=True)
     pfwd, pbwd, _, _ = _counted(out, x, torch.randn_like(x))
-    assert pfwd == ["inplace_abn.batch_stats.default", "aten.empty_like.default", "inplace_abn.forward_.default"], pfwd
+    assert pfwd == ["aten.empty_like.default", "inplace_abn.bn_forward_.default"], pfwd
     # one operator: the reduce pass, the input pass (for SiLU from the reduce pass's z,
     # docs/DESIGN.md section 7.2) and weight_grad's sign(w), in src/ops/bn_backward.cpp
     assert bwd == ["inplace_abn.bn_backward.default"], bwd
@@ -79,14 +80,15 @@ def test_eval_call_counts():
 
 @native_only
 def test_relu_call_counts():
-    """ReLU (not invertible): z is written by forward_ itself (z_out), no copy and clamp;
-    the backward applies ReLU's derivative inside its operators, no threshold pass."""
+    """ReLU (not invertible): z is written by bn_forward_ itself (z_out, allocated first),
+    no copy and clamp; the backward applies ReLU's derivative inside its operators, no
+    threshold pass."""
     layer = InPlaceABN(16, activation="relu")
     x = torch.randn(4, 16, 8, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (warned once per process: not invertible)
         fwd, bwd, _, _ = _counted(layer, x, torch.randn_like(x))
-    assert fwd == ["inplace_abn.batch_stats.default", "aten.empty_like.default", "inplace_abn.forward_.default"], fwd
+    assert fwd == ["aten.empty_like.default", "inplace_abn.bn_forward_.default"], fwd
     assert layer.num_batches_tracked.item() == 1
     # ReLU's derivative is applied by both passes of bn_backward as they read dy (relu=True)
     assert bwd == ["inplace_abn.bn_backward.default"], bwd

@@ -32,6 +32,91 @@ ACTS = [_activation.IDENTITY, _activation.LEAKY_RELU, _activation.ELU, _activati
 FORMATS = [torch.contiguous_format, torch.channels_last]
 
 
+def _fused_forward(x, act):
+    """Whether bn_forward_ runs its one-pass CPU kernel (src/ops/bn_forward.cpp, bn_forward_fits): a contiguous x
+    whose planes hold at least 32 elements (SiLU: a multiple of 32) and whose channels at most 2^16."""
+    N, C = x.shape[:2]
+    P = x.numel() // (N * C)
+    return (x.is_contiguous() and x.dim() >= 3 and P >= 32 and N * P <= 1 << 16
+            and (act != _activation.SILU or P % 32 == 0))
+
+
+# contiguous, planes of 64 / 42 (SiLU: two operators) / 4096 / 16 (batch_stats walks rows: two operators), channels
+# of 2^16 (the largest fused) and beyond, channels-last
+FORWARD_CASES = [((4, 6, 8, 8), torch.contiguous_format), ((3, 5, 6, 7), torch.contiguous_format),
+                 ((8, 3, 64, 64), torch.contiguous_format), ((16, 2, 64, 64), torch.contiguous_format),
+                 ((17, 2, 64, 64), torch.contiguous_format), ((8, 16, 4, 4), torch.contiguous_format),
+                 ((4, 6, 8, 8), torch.channels_last)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,fmt", FORWARD_CASES,
+                         ids=["p64", "p42", "p4096", "largest", "beyond", "rows", "channels_last"])
+@pytest.mark.parametrize("act", ACTS + ["relu"])
+def test_bn_forward_is_the_separate_operators(act, shape, fmt, dtype):
+    """bn_forward_ (the local layer's training forward in one call) gives batch_stats' statistics and running
+    statistics and forward_'s y, z (ReLU) and SiLU mask to the bit, in place and out of place (source), with a
+    residual, whichever path serves x; the profiler range says which did."""
+    ops = torch.ops.inplace_abn
+    relu = act == "relu"
+    act = _activation.IDENTITY if relu else act
+    g = torch.Generator().manual_seed(act + 7 * len(shape))
+    x = (torch.randn(shape, generator=g) * 3 + 2).to(dtype).contiguous(memory_format=fmt)
+    C = shape[1]
+    w, b = torch.randn(C, generator=g), torch.randn(C, generator=g)
+    r = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=fmt)
+    p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 0.8}.get(act, 0.0)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    running = (torch.randn(C, generator=g), torch.rand(C, generator=g) + 0.5)
+    fused = _fused_forward(x, act)
+    for out_of_place in (False, True):
+        def fresh():
+            xin = x.clone(memory_format=torch.preserve_format)
+            out = torch.empty_like(xin) if out_of_place else xin
+            z = torch.empty_like(xin, dtype=acc) if relu else None
+            return xin, out, z, [t.clone() for t in running]
+
+        x1, y1, z1, (rm1, rv1) = fresh()
+        mean1, var1 = ops.batch_stats(x1, rm1, rv1, 0.1)
+        mask1 = ops.forward_(y1, mean1, var1, w, b, r, 1e-5, act, p, False, z1, 0, x1 if out_of_place else None)
+        x2, y2, z2, (rm2, rv2) = fresh()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            mask2, mean2, var2 = ops.bn_forward_(y2, w, b, rm2, rv2, r, 0.1, 1e-5, act, p, False, z2,
+                                                 x2 if out_of_place else None)
+        ranges = {e.name for e in prof.events() if e.name.startswith("inplace_abn::bn_forward_ (")}
+        assert (ranges == {"inplace_abn::bn_forward_ (one pass)"}) == fused, ranges
+        for name, a, b_ in (("y", y1, y2), ("mean", mean1, mean2), ("var", var1, var2), ("mask", mask1, mask2),
+                            ("running_mean", rm1, rm2), ("running_var", rv1, rv2), ("x", x1, x2), ("z", z1, z2)):
+            assert (a is None and b_ is None) or torch.equal(a, b_), name
+    if dtype == torch.float32 and fmt == torch.contiguous_format and shape == (4, 6, 8, 8):
+        z = torch.empty_like(x, dtype=acc) if relu else None
+        torch.library.opcheck(ops.bn_forward_.default,
+                              (x.clone(), w, b, *[t.clone() for t in running], r, 0.1, 1e-5, act, p, False, z))
+
+
+def test_bn_forward_refuses_what_batch_stats_and_forward_refuse():
+    """bn_forward_'s one-pass path checks what the two operators check, with their messages."""
+    ops = torch.ops.inplace_abn
+    x = torch.randn(4, 6, 8, 8)
+    w, b, rm, rv = torch.ones(6), torch.zeros(6), torch.zeros(6), torch.ones(6)
+    assert _fused_forward(x, _activation.LEAKY_RELU)
+    with pytest.raises(RuntimeError, match=r"weight must have shape \(6,\)"):
+        ops.bn_forward_(x, w[:5], b, rm, rv, None, 0.1, 1e-5, _activation.LEAKY_RELU, 0.1, False)
+    with pytest.raises(RuntimeError, match=r"running_var must have shape \(6,\)"):
+        ops.bn_forward_(x, w, b, rm, rv[:5], None, 0.1, 1e-5, _activation.LEAKY_RELU, 0.1, False)
+    with pytest.raises(RuntimeError, match="residual must have the input's shape"):
+        ops.bn_forward_(x, w, b, rm, rv, x[:2], 0.1, 1e-5, _activation.LEAKY_RELU, 0.1, False)
+    with pytest.raises(RuntimeError, match="z_out is the ReLU path"):
+        ops.bn_forward_(x, w, b, rm, rv, None, 0.1, 1e-5, _activation.LEAKY_RELU, 0.1, False, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="source must have x's shape"):
+        ops.bn_forward_(x, w, b, rm, rv, None, 0.1, 1e-5, _activation.LEAKY_RELU, 0.1, False, None, x[:2])
+    with pytest.raises(RuntimeError, match="must be float32, float64"):
+        ops.bn_forward_(x.int(), w, b, rm, rv, None, 0.1, 1e-5, _activation.LEAKY_RELU, 0.1, False)
+    with pytest.raises(RuntimeError, match="more than 1 value per channel"):
+        ops.bn_forward_(torch.randn(1, 6, 1), w, b, rm, rv, None, 0.1, 1e-5, _activation.LEAKY_RELU, 0.1, False)
+    assert torch.equal(rm, torch.zeros(6)) and torch.equal(rv, torch.ones(6))  # nothing moved by a refused call
+
+
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
@@ -41,11 +126,15 @@ def test_opcheck_all_operators(act, fmt, training, residual):
 
 
 def opcheck_operators(args, act, training, residual):
-    """opcheck of batch_stats, forward_, backward_reduce and backward_input on _args'
-    tensors (on the CPU here, on CUDA in test_cuda.py); returns y, dy and the mask."""
+    """opcheck of batch_stats, forward_, bn_forward_ (training), backward_reduce and backward_input
+    on _args' tensors (on the CPU here, on CUDA in test_cuda.py); returns y, dy and the mask."""
     ops = torch.ops.inplace_abn
     x, mean, var, w, b, r, p = args
     torch.library.opcheck(ops.batch_stats.default, (x,))
+    if training:
+        C = x.shape[1]
+        running = (torch.zeros(C, device=x.device), torch.ones(C, device=x.device))
+        torch.library.opcheck(ops.bn_forward_.default, (x.clone(), w, b, *running, r, 0.1, 1e-5, act, p, False))
     torch.library.opcheck(ops.forward_.default, (x.clone(), mean, var, w, b, r, 1e-5, act, p, True))
     y = x.clone()
     mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, False)

@@ -26,6 +26,7 @@ auto handle(const char* name) {
 struct Ops {
   decltype(handle<batch_stats>("")) stats = handle<batch_stats>("inplace_abn::batch_stats");
   decltype(handle<forward_>("")) fwd = handle<forward_>("inplace_abn::forward_");
+  decltype(handle<bn_forward_>("")) bn_fwd = handle<bn_forward_>("inplace_abn::bn_forward_");
   decltype(handle<backward_reduce>("")) reduce = handle<backward_reduce>("inplace_abn::backward_reduce");
   decltype(handle<backward_input>("")) input = handle<backward_input>("inplace_abn::backward_input");
   decltype(handle<backward_input_from_z_>("")) input_z =
@@ -112,24 +113,21 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
                             bool training, double momentum, double eps, int64_t act, double param,
                             bool signed_weight, bool relu, const OptTensor& num_batches_tracked, bool out_of_place) {
     std::optional<BelowAutograd> below(std::in_place);
-    at::Tensor mean, var;
-    if (training) {  // (the count check is the caller's; batch_stats moves the running statistics)
-      std::tie(mean, var) = ops().stats.call(x, running_mean, running_var, momentum, 0);
+    const at::Tensor y = out_of_place ? at::empty_like(x, at::MemoryFormat::Preserve) : x;
+    const OptTensor source = out_of_place ? OptTensor(x) : std::nullopt;
+    // relu: z in the accumulation dtype, in x's layout (docs/DESIGN.md section 3)
+    const at::Tensor saved = relu ? at::empty_like(x, x.options().dtype(acc_type_of(x.scalar_type()))) : y;
+    const OptTensor z_out = relu ? OptTensor(saved) : std::nullopt;
+    at::Tensor mean, var, mask;
+    if (training) {  // (the count check is the caller's; bn_forward_ moves the running statistics)
+      std::tie(mask, mean, var) = ops().bn_fwd.call(y, weight, bias, running_mean, running_var, residual, momentum,
+                                                    eps, act, param, signed_weight, z_out, source);
     } else {  // a copy: a later update of the running statistics must not change the saved var
       TORCH_CHECK(running_mean.has_value() && running_var.has_value(),
                   "inplace_abn: evaluation mode needs running_mean and running_var");
       mean = *running_mean;
       var = running_var->clone();
-    }
-    const at::Tensor y = out_of_place ? at::empty_like(x, at::MemoryFormat::Preserve) : x;
-    const OptTensor source = out_of_place ? OptTensor(x) : std::nullopt;
-    at::Tensor saved = y, mask;
-    if (relu) {  // z in the accumulation dtype, in x's layout (docs/DESIGN.md section 3)
-      saved = at::empty_like(x, x.options().dtype(acc_type_of(x.scalar_type())));
-      mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight, saved, 0, source);
-    } else {
-      mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight, std::nullopt, 0,
-                            source);
+      mask = ops().fwd.call(y, mean, var, weight, bias, residual, eps, act, param, signed_weight, z_out, 0, source);
     }
     below.reset();  // (add_ on other devices bumps the counter's version in ADInplaceOrView)
     if (num_batches_tracked.has_value()) count_batch(*num_batches_tracked);
@@ -291,6 +289,7 @@ TORCH_LIBRARY_IMPL(inplace_abn, CompositeImplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(inplace_abn, Autograd, m) {
   IABN_NO_GRAD(batch_stats, stats);
   IABN_NO_GRAD(forward_, fwd);
+  IABN_NO_GRAD(bn_forward_, bn_fwd);
   IABN_NO_GRAD(backward_reduce, reduce);
   IABN_NO_GRAD(backward_input, input);
   IABN_NO_GRAD(backward_input_from_z_, input_z);

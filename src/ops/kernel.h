@@ -29,12 +29,12 @@ struct KernelArgs {
   at::Tensor residual;  // undefined, or in x's dtype and layout
   at::Tensor mask;      // SiLU: the packed branch bits (int32), else undefined
   at::Tensor coef;      // the coefficient table (rows above)
-  // batch_stats: mean, var; backward_reduce: sum_gz, sum_gz_xhat (the
+  // batch_stats, bn_forward: mean, var; backward_reduce: sum_gz, sum_gz_xhat (the
   // accumulation dtype); backward_input: dx and dresidual (undefined unless wanted)
   at::Tensor out1, out2;
   // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce stores here, when defined, what
   // the input pass needs of z = f^-1(y) besides y (activations.h, inverse_deriv's `kept`); backward_input with
-  // from_z reads it with y (no inversion) and overwrites it with dx (out1 is z)
+  // from_z reads it with y (no inversion) and overwrites it with dx (out1 is z). bn_forward: the ReLU path's z_out
   at::Tensor z;
   bool from_z = false;
   // backward_reduce / backward_input of a ReLU layer (activation 0, CPU): x holds
@@ -48,6 +48,9 @@ struct KernelArgs {
   at::Tensor sum_gz, sum_gz_xhat;
   // bn_backward: the scale of the sums in the input pass (1/n in training, 0 in eval)
   double sums_scale = 0.0;
+  // bn_forward: the forward table's scalars; the kernel fills each channel's column (table_column) once its
+  // statistics are known, from coef = the (2, C) float64 weight and bias (their fills where absent)
+  TableSpec spec{};
 };
 
 using Kernel = void (*)(const KernelArgs&);
@@ -87,7 +90,7 @@ struct KernelStub {
   void operator()(const KernelArgs& a) const;
 };
 extern KernelStub batch_stats_stub, forward_stub, backward_reduce_stub, backward_input_stub, gn_backward_stub,
-    bn_backward_stub;
+    bn_backward_stub, bn_forward_stub;
 
 // At namespace scope in a kernel file: the stub runs fn on the CPU (in the file's CPU_CAPABILITY) or on CUDA.
 #define IABN_REGISTER_KERNEL(stub, slot, fn) \

@@ -33,6 +33,14 @@ TORCH_LIBRARY(inplace_abn, m) {
       "forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None, int groups=0, "
       "Tensor? source=None) -> Tensor mask");
+  // The local layer's training forward in one call, as native_batch_norm: batch_stats (moving the running
+  // statistics, if given) and forward_ with the batch's statistics, which it returns with forward_'s mask (mean and
+  // biased var in the accumulation dtype). The arguments are batch_stats' and forward_'s; source, when given, is the
+  // input (the out-of-place form) and x only receives y.
+  m.def(
+      "bn_forward_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
+      "Tensor? residual, float momentum, float eps, int activation, float activation_param, bool signed_weight, "
+      "Tensor(d!)? z_out=None, Tensor? source=None) -> (Tensor mask, Tensor mean, Tensor var)");
   // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone. relu (with
   // activation 0): y holds the z of a ReLU layer (forward_'s z_out) and gz = dy
   // where z > 0, else 0, as threshold_backward(dy, z, 0) first (CPU: in the same pass).

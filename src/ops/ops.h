@@ -45,6 +45,15 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
                                   double activation_param, bool signed_weight, bool residual_grad,
                                   double sums_scale, int64_t groups);
 
+// The local BatchNorm layer's training forward: batch_stats, then forward_ with its statistics; returns forward_'s
+// mask and the batch's mean and biased var.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_forward_(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& residual, double momentum, double eps, int64_t activation,
+    double activation_param, bool signed_weight, const std::optional<at::Tensor>& z_out,
+    const std::optional<at::Tensor>& source);
+
 // The local BatchNorm layer's whole backward: dx, dweight, dbias, dresidual (those
 // output_mask leaves out: empty tensors).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
@@ -64,6 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
 #define IABN_IMPL_ALL(m)                                      \
   m.impl("batch_stats", &::inplace_abn::batch_stats);         \
   m.impl("forward_", &::inplace_abn::forward_);               \
+  m.impl("bn_forward_", &::inplace_abn::bn_forward_);         \
   m.impl("backward_reduce", &::inplace_abn::backward_reduce); \
   m.impl("backward_input", &::inplace_abn::backward_input);   \
   m.impl("weight_grad", &::inplace_abn::weight_grad);         \
