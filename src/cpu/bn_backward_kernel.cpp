@@ -72,13 +72,8 @@ void bn_backward_planes(const KernelArgs& a) {
 }
 
 void bn_backward_kernel(const KernelArgs& a) {
-  dispatch(a, [&](auto s, auto act, auto res) {
-    using S = decltype(s);
-    constexpr Act A = decltype(act)::value;
-    constexpr bool R = decltype(res)::value;
-    if constexpr (A == Act::Identity)  // the ReLU layer's z (kernel.h)
-      if (a.relu) return bn_backward_planes<S, A, R, true>(a);
-    bn_backward_planes<S, A, R, false>(a);
+  dispatch_relu(a, a.relu, [&](auto s, auto act, auto res, auto relu) {
+    bn_backward_planes<decltype(s), decltype(act)::value, decltype(res)::value, decltype(relu)::value>(a);
   });
 }
 

@@ -70,13 +70,8 @@ void bn_forward_planes(const KernelArgs& a) {
 }
 
 void bn_forward_kernel(const KernelArgs& a) {
-  dispatch(a, [&](auto s, auto act, auto res) {
-    using S = decltype(s);
-    constexpr Act A = decltype(act)::value;
-    constexpr bool R = decltype(res)::value;
-    if constexpr (A == Act::Identity)  // the ReLU path: z into a.z
-      if (a.z.defined()) return bn_forward_planes<S, A, R, true>(a);
-    bn_forward_planes<S, A, R, false>(a);
+  dispatch_relu(a, a.z.defined(), [&](auto s, auto act, auto res, auto relu) {  // ReLU: z into a.z
+    bn_forward_planes<decltype(s), decltype(act)::value, decltype(res)::value, decltype(relu)::value>(a);
   });
 }
 

@@ -980,6 +980,16 @@ void dispatch(const KernelArgs& a, const Fn& f) {
   });
 }
 
+// dispatch with the ReLU path as a fourth argument, f(s, act, res, relu): relu = std::true_type where the flag is set
+// (the identity's only: the ReLU layer's z, kernel.h), else std::false_type.
+template <class Fn>
+void dispatch_relu(const KernelArgs& a, bool relu, const Fn& f) {
+  dispatch(a, [&](auto s, auto act, auto res) {
+    if constexpr (decltype(act)::value == Act::Identity)
+      if (relu) return f(s, act, res, std::true_type{});
+    f(s, act, res, std::false_type{});
+  });
+}
 
 }  // namespace
 }  // namespace CPU_CAPABILITY
