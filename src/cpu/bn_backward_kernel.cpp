@@ -51,6 +51,7 @@ void bn_backward_planes(const KernelArgs& a) {
             const int64_t t = j + ahead < P ? e + j + ahead : next + (j + ahead - P);
             prefetch(el.y + t);
             prefetch(el.dy + t);
+            if constexpr (RES) prefetch(el.res + t);
           }
           el.template operator()<decltype(full)::value>(e + j, e + j, cnt, sh, gz, zc);
           if constexpr (kBuffer<A>) {

@@ -41,12 +41,16 @@ void bn_forward_planes(const KernelArgs& a) {
       const V k(K);
       double s1 = 0.0, s2 = 0.0;
       for (int64_t i = 0; i < N; ++i) {
-        const S* const x = in + (i * C + c) * P;
+        const int64_t e = (i * C + c) * P;
         // the walk's next plane: this channel's in the next sample, else the next channel's first
-        const S* const next = i + 1 < N ? x + C * P : c + 1 < C ? in + (c + 1) * P : x;
+        const int64_t next = i + 1 < N ? e + C * P : c + 1 < C ? (c + 1) * P : e;
         const auto sums = plane_sums<F>(P, [&](int64_t j, int cnt, auto full, V& u, V& v) {
-          if constexpr (decltype(full)::value) prefetch(j + ahead < P ? x + j + ahead : next + (j + ahead - P));
-          shifted_pair<decltype(full)::value>(x + j, cnt, k, u, v);
+          if constexpr (decltype(full)::value) {
+            const int64_t t = j + ahead < P ? e + j + ahead : next + (j + ahead - P);
+            prefetch(in + t);
+            if constexpr (RES) prefetch(fs.res + t);  // read by the second pass, which then finds it cached
+          }
+          shifted_pair<decltype(full)::value>(in + e + j, cnt, k, u, v);
         });
         s1 += sums.first;
         s2 += sums.second;
