@@ -182,13 +182,13 @@ def _register_fakes():
 
     @torch.library.register_fake("inplace_abn::bn_backward")
     def _(y, dy, mask, var, weight, bias, residual, eps, activation, activation_param, signed_weight, training,
-          output_mask, relu=False):
+          output_mask, relu=False, dx_out=None):
         need_x, need_w, need_b, need_r = output_mask
 
         def none():  # (a new one each: the outputs alias nothing)
             return y.new_empty(0)
 
-        return (torch.empty_like(y) if need_x else none(), weight.new_empty(weight.shape) if need_w else none(),
+        return (torch.empty_like(y) if need_x and dx_out is None else none(), weight.new_empty(weight.shape) if need_w else none(),
                 bias.new_empty(bias.shape) if need_b else none(), torch.empty_like(y) if need_r else none())
 
     @torch.library.register_fake("inplace_abn::weight_grad")

@@ -28,7 +28,9 @@ def _run(module, layer, case, fmt, residual, needs, python_path, monkeypatch):
         y = layer(x0.clone(memory_format=torch.preserve_format), w, b, r)
         node = str(y.grad_fn.name())
         leaves = {"x": x0, "w": w, "b": b, "r": r}
-        y.backward(case["dy"].contiguous(memory_format=fmt))
+        # dy reaches the layer as MulBackward's new tensor (ones * dy: dy's values), which nothing else holds:
+        # the C++ path writes dx over it (dy_is_free, src/ops/autograd.cpp), the Python path into a new tensor
+        (y * case["dy"].contiguous(memory_format=fmt)).sum().backward()
         return y.detach().clone(), {k: leaves[k].grad for k in needs}, node
 
 
@@ -62,6 +64,59 @@ def test_cpp_path_matches_python_path(activation, p, dtype, fmt, training, needs
         torch.testing.assert_close(ours[1][k], ref[1][k], rtol=0, atol=0, msg=f"gradient of {k}")
     for a, b in zip(stats[0], stats[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _bn_backward_bytes(fn):
+    """Bytes that bn_backward's calls allocated while fn ran (the profiler's memory events; a dispatch mode would
+    hold dy and so change what it observes)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "inplace_abn::bn_backward")
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("activation", ["leaky_relu", "silu"])
+def test_backward_writes_dx_into_dy_only_when_free(activation, fmt):
+    """The C++ backward writes dx over dy only when nothing else holds dy (a downstream op's new gradient; a
+    retained grad is a copy), never over a dy that the caller or another consumer of the same gradient (an add)
+    still reads, and never through SiLU's channels-last z path (its kept z needs a tensor of its own); y's retained
+    gradient, the other consumer's and x's are the same bits either way."""
+    g = torch.Generator().manual_seed(0)
+    layer = InPlaceABN(8, activation=activation)
+    x0 = torch.randn(4, 8, 6, 6, generator=g).contiguous(memory_format=fmt)
+    dy = torch.randn(x0.shape, generator=g).contiguous(memory_format=fmt)
+    other = torch.randn(x0.shape, generator=g, requires_grad=True)
+    free = fmt == torch.contiguous_format or activation != "silu"
+
+    def run(how):
+        x = x0.clone().requires_grad_()
+        y = layer(x * 1)
+
+        def backward():
+            if how == "free":  # MulBackward's new tensor
+                (y * dy).sum().backward()
+            elif how == "caller":  # the caller's dy
+                y.backward(dy)
+            elif how == "retained":
+                y.retain_grad()
+                (y * dy).sum().backward()
+            else:  # AddBackward passes one gradient to both inputs
+                (y + other).backward(dy * 1)
+
+        into_dy = _bn_backward_bytes(backward) < dy.numel() * dy.element_size()
+        if how == "retained":
+            assert torch.equal(y.grad, dy)
+        if how == "shared":
+            assert torch.equal(other.grad, dy)
+            other.grad = None
+        return x.grad, into_dy
+
+    want, into_dy = run("caller")
+    assert not into_dy
+    for how in ("free", "retained", "shared"):
+        got, into_dy = run(how)
+        assert into_dy == (free and how != "shared"), how
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=how)
 
 
 def test_cpp_path_refuses_double_backward():

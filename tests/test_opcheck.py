@@ -258,6 +258,31 @@ def test_bn_backward_relu_and_dtypes(dtype, shape):
         _assert_matches(g, wt, one_pass, name)
 
 
+@pytest.mark.parametrize("fmt,shape", [(torch.contiguous_format, (3, 5, 4, 6)), (torch.channels_last, (3, 5, 4, 6)),
+                                        (torch.contiguous_format, (3, 5, 2, 3))],
+                         ids=["one_pass", "channels_last", "two_pass"])
+@pytest.mark.parametrize("act", ACTS)
+def test_bn_backward_dx_out_may_be_dy(act, fmt, shape):
+    """dx_out = dy (the C++ layer's backward where nothing else holds dy): dy ends up holding the dx that bn_backward
+    returns without dx_out, bit for bit, on the one-pass path, the two-pass path and SiLU's z path (through its own
+    z and a copy); the dx output is then empty, the other gradients unchanged."""
+    ops = torch.ops.inplace_abn
+    x, mean, var, w, b, r, p = _args(act, fmt, True, shape=shape)
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, False)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).contiguous(memory_format=fmt)
+    args = (y, dy, mask, var, w, b, r, 1e-5, act, p, False, True, [True, True, True, True])
+    want = ops.bn_backward(*args)
+    inout = dy.clone(memory_format=torch.preserve_format)
+    got = ops.bn_backward(y, inout, *args[2:], False, inout)
+    assert got[0].numel() == 0
+    torch.testing.assert_close(inout, want[0], rtol=0, atol=0)
+    for g, wt in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, wt, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="dx_out must have y's shape, strides"):
+        ops.bn_backward(*args, False, y.new_empty(y.shape[::-1]))
+
+
 def test_bn_backward_refuses_what_it_lacks():
     """An output asked for without its input, a var of the wrong length, a non-invertible
     slope: refused with a message that names it, before anything is computed."""

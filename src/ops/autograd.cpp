@@ -104,6 +104,15 @@ void count_batch(const at::Tensor& counter) {
   }
 }
 
+// Whether the layer's backward may write dx over dy: a plain (not a view) tensor laid out as y, whose memory nothing
+// but this reference holds (the autograd engine moved it to us: no hook, retained grad or other consumer keeps it),
+// as AccumulateGrad decides to steal a gradient.
+bool dy_is_free(const at::Tensor& dy, const at::Tensor& y) {
+  return dy.defined() && dy.use_count() == 1 && !dy.is_view() && dy.storage().use_count() == 1 &&
+         dy.scalar_type() == y.scalar_type() && dy.device() == y.device() && dy.sizes() == y.sizes() &&
+         dy.strides() == y.strides() && !dy.requires_grad() && !dy._fw_grad(0).defined();
+}
+
 // out_of_place (inplace_abn, the op without the underscore): y in a new tensor, x
 // read as forward_'s source and left as it is (as InPlaceAGNFunction below).
 struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
@@ -138,7 +147,8 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     return y;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  // grads by reference: CppNode passes its own list, so that dy's use count says whether anything else holds it
+  static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     const Saved sv(ctx, "inplace_abn", "ABN layer (BatchNorm + activation)");
     const BelowAutograd below;
     const at::Tensor &y = sv.y, &var = sv.var, &weight = sv.weight, &bias = sv.bias;
@@ -155,8 +165,12 @@ struct InPlaceABNFunction : torch::autograd::Function<InPlaceABNFunction> {
     // One operator call (src/ops/bn_backward.cpp): the reduce pass where its sums are
     // needed (in eval mode with frozen parameters they are not), the input pass, and
     // the parameters' gradients. ReLU: the CPU kernels apply its derivative as they read dy.
-    auto [dx, dw, db, dr] = ops().bn.call(y, grads[0], mask, var, w, b, r, eps, act, p, signed_weight, training,
-                                          {need_x, need_w, need_b, need_r}, relu);
+    // dx into dy where nothing else can see dy (docs/DESIGN.md section 6.2)
+    const at::Tensor& dy = grads[0];
+    const OptTensor dx_out = need_x && dy_is_free(dy, y) && bn_backward_dx_direct(y, act) ? OptTensor(dy) : std::nullopt;
+    auto [dx, dw, db, dr] = ops().bn.call(y, dy, mask, var, w, b, r, eps, act, p, signed_weight, training,
+                                          {need_x, need_w, need_b, need_r}, relu, dx_out);
+    if (dx_out.has_value()) dx = dy;
     dx = need_x ? cast(dx, dtype) : at::Tensor();
     dr = need_r ? cast(dr, dtype) : at::Tensor();
     if (!need_w) dw = at::Tensor();

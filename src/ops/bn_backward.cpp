@@ -30,10 +30,14 @@ bool bn_backward_fits(const at::Tensor& y) {
 
 }  // namespace
 
+bool bn_backward_dx_direct(const at::Tensor& y, int64_t activation) {
+  return bn_backward_fits(y) || !silu_keeps_z(y, activation);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
     const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
     const OptTensor& bias, const OptTensor& residual, double eps, int64_t activation, double activation_param,
-    bool signed_weight, bool training, std::array<bool, 4> output_mask, bool relu) {
+    bool signed_weight, bool training, std::array<bool, 4> output_mask, bool relu, const OptTensor& dx_out) {
   const Act act = check_backward_args(y, dy, mask, weight, bias, residual, activation, activation_param);
   check_channel_vector(var, y, "var");
   const auto [need_x, need_w, need_b, need_r] = output_mask;
@@ -64,9 +68,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
     sum_gz = y.numel() ? new_empty({C}, acc) : at::zeros({C}, acc);
     sum_gzx = y.numel() ? new_empty({C}, acc) : at::zeros({C}, acc);
   }
-  const at::Tensor dx = input ? new_like(y) : at::Tensor();  // (keep_z: z, then dx over it)
+  if (dx_out.has_value()) {
+    TORCH_CHECK(need_x, "inplace_abn: bn_backward got dx_out without dx in output_mask");
+    TORCH_CHECK(dx_out->sizes() == y.sizes() && dx_out->strides() == y.strides() &&
+                    dx_out->scalar_type() == y.scalar_type() && dx_out->device() == y.device(),
+                "inplace_abn: dx_out must have y's shape, strides, dtype and device");
+  }
+  const bool fits = y.numel() && reduce && input && bn_backward_fits(y);
+  // keep_z off the one-pass path: z, then dx over it, in a tensor of its own (dx_out may be dy, still to be read)
+  const bool via_z = keep_z && !fits;
+  const at::Tensor dx = !input ? at::Tensor() : dx_out.has_value() && !via_z ? *dx_out : new_like(y);
   const at::Tensor dres = need_r ? new_like(y) : at::Tensor();
-  if (y.numel() && reduce && input && bn_backward_fits(y)) {
+  if (fits) {
     const TableGuard table_guard;
     RECORD_FUNCTION("inplace_abn::bn_backward (one pass)", std::vector<c10::IValue>());
     const std::array<ChannelInput, 3> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight"),
@@ -94,10 +107,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
                  signed_weight, scale, dx, dres, g);
     }
   }
+  if (dx_out.has_value() && via_z) dx_out->copy_(dx);
   at::Tensor dw, db;
   if (need_w) dw = signed_weight ? cast(sum_gzx, weight->scalar_type()) : weight_grad(sum_gzx, *weight, false);
   if (need_b) db = cast(sum_gz, bias->scalar_type());
-  return {need_x ? dx : none(), need_w ? dw : none(), need_b ? db : none(), need_r ? dres : none()};
+  return {need_x && !dx_out.has_value() ? dx : none(), need_w ? dw : none(), need_b ? db : none(),
+          need_r ? dres : none()};
 }
 
 }  // namespace inplace_abn

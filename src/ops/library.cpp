@@ -63,11 +63,13 @@ TORCH_LIBRARY(inplace_abn, m) {
   // native_batch_norm_backward: backward_reduce's sums where dweight, dbias or (training) dx / dresidual need them,
   // backward_input with the sums scaled by 1/n (training) or dropped (eval: the statistics are constants), and
   // weight_grad. output_mask: (dx, dweight, dbias, dresidual); an output left out is an empty tensor. dx is in y's
-  // dtype (relu: z's).
+  // dtype (relu: z's). With dx_out (y's shape and strides, dx's dtype; it may be dy itself, each of whose elements is
+  // read before dx is written over it): dx is written there and the dx output is empty. The C++ layer passes dy
+  // when nothing else holds it, so that dx takes lines already cached instead of fresh memory.
   m.def(
       "bn_backward(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, bool training, bool[4] output_mask, "
-      "bool relu=False) -> (Tensor dx, Tensor dweight, Tensor dbias, Tensor dresidual)");
+      "bool relu=False, Tensor(e!)? dx_out=None) -> (Tensor dx, Tensor dweight, Tensor dbias, Tensor dresidual)");
   // The whole local layer with its autograd in C++ (src/ops/autograd.cpp): batch statistics and running-statistics
   // update (training), forward_ into x; the backward is one bn_backward call. relu: the non-invertible ReLU
   // (activation 0), whose z is kept for backward. Given num_batches_tracked, adds 1 to it once the layer has run
