@@ -31,7 +31,7 @@ bool bn_backward_fits(const at::Tensor& y) {
 }  // namespace
 
 bool bn_backward_dx_direct(const at::Tensor& y, int64_t activation) {
-  return bn_backward_fits(y) || !silu_keeps_z(y, activation);
+  return y.is_cpu() && (bn_backward_fits(y) || !silu_keeps_z(y, activation));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
@@ -75,9 +75,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
                 "inplace_abn: dx_out must have y's shape, strides, dtype and device");
   }
   const bool fits = y.numel() && reduce && input && bn_backward_fits(y);
-  // keep_z off the one-pass path: z, then dx over it, in a tensor of its own (dx_out may be dy, still to be read)
-  const bool via_z = keep_z && !fits;
-  const at::Tensor dx = !input ? at::Tensor() : dx_out.has_value() && !via_z ? *dx_out : new_like(y);
+  // dx_out may be dy, still to be read: keep_z off the one-pass path needs a tensor of its own (z, then dx over it),
+  // and the CUDA kernels take their arguments as __restrict__ (no aliasing): dx in a new tensor, then copied
+  const bool via_copy = (keep_z && !fits) || !y.is_cpu();
+  const at::Tensor dx = !input ? at::Tensor() : dx_out.has_value() && !via_copy ? *dx_out : new_like(y);
   const at::Tensor dres = need_r ? new_like(y) : at::Tensor();
   if (fits) {
     const TableGuard table_guard;
@@ -107,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
                  signed_weight, scale, dx, dres, g);
     }
   }
-  if (dx_out.has_value() && via_z) dx_out->copy_(dx);
+  if (dx_out.has_value() && via_copy) dx_out->copy_(dx);
   at::Tensor dw, db;
   if (need_w) dw = signed_weight ? cast(sum_gzx, weight->scalar_type()) : weight_grad(sum_gzx, *weight, false);
   if (need_b) db = cast(sum_gz, bias->scalar_type());

@@ -65,7 +65,7 @@ TORCH_LIBRARY(inplace_abn, m) {
   // weight_grad. output_mask: (dx, dweight, dbias, dresidual); an output left out is an empty tensor. dx is in y's
   // dtype (relu: z's). With dx_out (y's shape and strides, dx's dtype; it may be dy itself, each of whose elements is
   // read before dx is written over it): dx is written there and the dx output is empty. The C++ layer passes dy
-  // when nothing else holds it, so that dx takes lines already cached instead of fresh memory.
+  // on the CPU when nothing else holds it, so that dx takes lines already cached instead of fresh memory.
   m.def(
       "bn_backward(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, bool training, bool[4] output_mask, "

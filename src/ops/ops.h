@@ -62,8 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
     const std::optional<at::Tensor>& residual, double eps, int64_t activation, double activation_param,
     bool signed_weight, bool training, std::array<bool, 4> output_mask, bool relu,
     const std::optional<at::Tensor>& dx_out);
-// Whether bn_backward on y writes dx straight into a dx_out (else, SiLU's two-pass path on the CPU, through its
-// kept z and a copy).
+// Whether bn_backward on y writes dx straight into a dx_out (the CPU, but SiLU's two-pass path; elsewhere through
+// a new tensor and a copy).
 bool bn_backward_dx_direct(const at::Tensor& y, int64_t activation);
 
 // The GroupNorm backward (groups > 0): dx, dresidual and the (C,) sums over the batch.
