@@ -30,9 +30,7 @@ void bn_backward_planes(const KernelArgs& a) {
   F* const sum_gz = a.sum_gz.data_ptr<F>();
   F* const sum_gz_xhat = a.sum_gz_xhat.data_ptr<F>();
   const double scale = a.sums_scale;
-  // software prefetch along the channel's walk (kPrefetch, as backward_reduce): planes are short streams, each a new
-  // ramp for the hardware prefetchers
-  const int64_t ahead = std::min(kPrefetch, P);
+  const ChannelWalk walk(N, C, P);  // (software prefetch along it)
   at::parallel_for(0, C, std::max<int64_t>(1, kGrain / kCost<A> / m), [&](int64_t c0, int64_t c1) {
     std::vector<F> buf(kBuffer<A> ? 2 * (m + W) : 0);  // zc, then gz; a vector of slack for partial stores
     F *const zcb = buf.data(), *const gzb = zcb + m + W;
@@ -44,11 +42,10 @@ void bn_backward_planes(const KernelArgs& a) {
       DPair<F> s1 = dzero<F>(), s2 = dzero<F>();
       for (int64_t n = 0; n < N; ++n) {
         const int64_t e = (n * C + c) * P, o = n * P;
-        // the walk's next plane: this channel's in the next sample, else the next channel's first
-        const int64_t next = n + 1 < N ? e + C * P : c + 1 < C ? (c + 1) * P : e;
+        const int64_t next = walk.next_plane(e, n, c);
         add_span<F>(P, [&](int64_t j, int cnt, auto full, V& gz, V& zc) {
           if constexpr (decltype(full)::value) {
-            const int64_t t = j + ahead < P ? e + j + ahead : next + (j + ahead - P);
+            const int64_t t = walk.target(e, next, j);
             prefetch(el.y + t);
             prefetch(el.dy + t);
             if constexpr (RES) prefetch(el.res + t);

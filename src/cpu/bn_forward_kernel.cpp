@@ -28,9 +28,7 @@ void bn_forward_planes(const KernelArgs& a) {
   F* const var = a.out2.data_ptr<F>();
   const TableSpec spec = a.spec;
   const double n = static_cast<double>(N * P);
-  // software prefetch along the channel's walk (kPrefetch, as batch_stats): planes are short streams, each a new
-  // ramp for the hardware prefetchers
-  const int64_t ahead = std::min(kPrefetch, P);
+  const ChannelWalk walk(N, C, P);  // (software prefetch along it)
   at::parallel_for(0, C, std::max<int64_t>(1, kGrain / kCost<A> / (N * P)), [&](int64_t c0, int64_t c1) {
     // local copies: the captured originals' addresses escape into the thread pool (see forward_kernel.cpp)
     const ForwardStep<S, A, RES, ZOUT> fs = fs0;
@@ -42,11 +40,10 @@ void bn_forward_planes(const KernelArgs& a) {
       double s1 = 0.0, s2 = 0.0;
       for (int64_t i = 0; i < N; ++i) {
         const int64_t e = (i * C + c) * P;
-        // the walk's next plane: this channel's in the next sample, else the next channel's first
-        const int64_t next = i + 1 < N ? e + C * P : c + 1 < C ? (c + 1) * P : e;
+        const int64_t next = walk.next_plane(e, i, c);
         const auto sums = plane_sums<F>(P, [&](int64_t j, int cnt, auto full, V& u, V& v) {
           if constexpr (decltype(full)::value) {
-            const int64_t t = j + ahead < P ? e + j + ahead : next + (j + ahead - P);
+            const int64_t t = walk.target(e, next, j);
             prefetch(in + t);
             if constexpr (RES) prefetch(fs.res + t);  // read by the second pass, which then finds it cached
           }

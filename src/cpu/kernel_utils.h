@@ -637,6 +637,21 @@ inline void prefetch(const S* p) {
 #endif
 }
 
+// Software prefetch on the one-pass kernels' channel-by-channel walk of a contiguous (N, C, P) tensor: a channel's N
+// planes, then the next channel's. Its planes are short streams C P elements apart, on each of which the hardware
+// prefetchers ramp up anew. The target kPrefetch (at most P) elements past offset j of plane (n, c) at e: within the
+// plane, else in the walk's next plane.
+struct ChannelWalk {
+  int64_t N, C, P, ahead;
+  ChannelWalk(int64_t n, int64_t c, int64_t p) : N(n), C(c), P(p), ahead(std::min(kPrefetch, p)) {}
+  int64_t next_plane(int64_t e, int64_t n, int64_t c) const {
+    return n + 1 < N ? e + C * P : c + 1 < C ? (c + 1) * P : e;
+  }
+  int64_t target(int64_t e, int64_t next, int64_t j) const {
+    return j + ahead < P ? e + j + ahead : next + (j + ahead - P);
+  }
+};
+
 // Grain of the element-wise kernels, in elements.
 constexpr int64_t kGrain = 16384;
 
