@@ -30,6 +30,8 @@ bool bn_backward_fits(const at::Tensor& y) {
 
 }  // namespace
 
+// Not SiLU's two-pass z path on the CPU (z, then dx over it, needs a tensor of its own), nor CUDA, whose kernels
+// take their arguments as __restrict__ (no aliasing).
 bool bn_backward_dx_direct(const at::Tensor& y, int64_t activation) {
   return y.is_cpu() && (bn_backward_fits(y) || !silu_keeps_z(y, activation));
 }
@@ -75,9 +77,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
                 "inplace_abn: dx_out must have y's shape, strides, dtype and device");
   }
   const bool fits = y.numel() && reduce && input && bn_backward_fits(y);
-  // dx_out may be dy, still to be read: keep_z off the one-pass path needs a tensor of its own (z, then dx over it),
-  // and the CUDA kernels take their arguments as __restrict__ (no aliasing): dx in a new tensor, then copied
-  const bool via_copy = (keep_z && !fits) || !y.is_cpu();
+  // dx_out may be dy, still to be read: where dx cannot go there directly (bn_backward_dx_direct), dx in a new
+  // tensor, then copied
+  const bool via_copy = !bn_backward_dx_direct(y, activation);
   const at::Tensor dx = !input ? at::Tensor() : dx_out.has_value() && !via_copy ? *dx_out : new_like(y);
   const at::Tensor dres = need_r ? new_like(y) : at::Tensor();
   if (fits) {

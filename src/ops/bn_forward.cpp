@@ -39,9 +39,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_forward_(
     const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& running_mean,
     const OptTensor& running_var, const OptTensor& residual, double momentum, double eps, int64_t activation,
     double activation_param, bool signed_weight, const OptTensor& z_out, const OptTensor& source) {
+  check_input(x, "x");
   const Act act = to_act(activation);
-  const at::Tensor& in = source.has_value() ? *source : x;
-  if (!bn_forward_fits(in, act) || !x.is_contiguous()) {
+  const at::Tensor& in = source.has_value() ? *source : x;  // (check_forward: source has x's shape and strides)
+  if (!bn_forward_fits(x, act)) {
     auto [mean, var] = batch_stats(in, running_mean, running_var, momentum, 0);
     at::Tensor mask = forward_(x, mean, var, weight, bias, residual, eps, activation, activation_param,
                                signed_weight, z_out, 0, source);

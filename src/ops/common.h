@@ -357,7 +357,8 @@ int64_t check_batch_stats(const at::Tensor& x, const OptTensor& running_mean, co
 // The running statistics moved towards the batch's mean and var, as torch.nn.BatchNorm (n = 0: left as they are).
 void update_running_stats(const at::Tensor& x, const OptTensor& running_mean, const OptTensor& running_var,
                           const at::Tensor& mean, const at::Tensor& var, int64_t n, double momentum);
-// forward_'s checks of x, residual, z_out and source; returns the (uninitialised) SiLU mask, empty for the others.
+// forward_'s checks of residual, z_out and source against x (already checked: check_input); returns the
+// (uninitialised) SiLU mask, empty for the others.
 at::Tensor check_forward(const at::Tensor& x, const OptTensor& residual, Act act, const OptTensor& z_out,
                          const Groups& grp, const OptTensor& source);
 

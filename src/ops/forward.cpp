@@ -13,7 +13,6 @@ KernelStub forward_stub;
 
 at::Tensor check_forward(const at::Tensor& x, const OptTensor& residual, Act act, const OptTensor& z_out,
                          const Groups& grp, const OptTensor& source) {
-  check_input(x, "x");
   if (source.has_value()) {  // read in lockstep with x: the same elements at the same offsets
     TORCH_CHECK(source->sizes() == x.sizes() && source->scalar_type() == x.scalar_type() &&
                     source->device() == x.device(),
