@@ -84,9 +84,11 @@ _warned_not_invertible = False
 
 
 def warn_not_invertible(activation: str, activation_param: float) -> None:
-    """Warn once per process that an in-place layer saves no memory."""
+    """Warn once per process that an in-place layer saves no memory. Not while torch.compile
+    traces: dynamo cannot trace ``warnings.warn``, and ``fullgraph=True`` would fail on it
+    (the layer's eager calls warn)."""
     global _warned_not_invertible
-    if _warned_not_invertible:
+    if _warned_not_invertible or torch.compiler.is_compiling():
         return
     _warned_not_invertible = True
     what = "relu" if activation == "relu" else f"leaky_relu with slope {activation_param}"
