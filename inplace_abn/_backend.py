@@ -22,8 +22,8 @@ except ImportError as e:  # extension not built: pure backend
     _native_error = e
 
 HAS_NATIVE = _native_error is None
-OP_NAMES = ("batch_stats", "forward_", "backward_reduce", "backward_input", "weight_grad", "bn_backward",
-            "gn_backward")  # CPU, CUDA
+OP_NAMES = ("batch_stats", "forward_", "bn_forward_", "forward", "bn_forward", "backward_reduce", "backward_input",
+            "weight_grad", "bn_backward", "gn_backward")  # CPU, CUDA
 CPU_OP_NAMES = ("backward_input_from_z_",)  # the SiLU z path (docs/DESIGN.md section 7.2)
 
 
@@ -140,20 +140,41 @@ def _register_fakes():
         shape = (x.shape[0], groups) if groups else (x.shape[1],)  # per (n, group) for GroupNorm
         return x.new_empty(shape, dtype=acc(x)), x.new_empty(shape, dtype=acc(x))
 
-    @torch.library.register_fake("inplace_abn::forward_")
-    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
-          groups=0, source=None):
+    def mask(x, activation, groups=0):  # forward_'s SiLU mask
         # channels-last GroupNorm: the samples' masks, whole words each
         parts = x.shape[0] if groups and _pure.is_channels_last(x) and x.shape[0] else 1
         words = parts * ((x.numel() // parts + 31) // 32) if activation == 3 else 0
         return x.new_empty(words, dtype=torch.int32)
 
+    def stats(x):
+        C = x.shape[1]
+        return x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
+
+    def functional_outputs(x, keep_z):  # (y, z) of the functional forwards (src/ops/functional_forward.cpp)
+        if not (x.is_contiguous() or _pure.is_channels_last(x)):
+            x = x.contiguous()
+        return torch.empty_like(x), torch.empty_like(x, dtype=acc(x)) if keep_z else x.new_empty(0)
+
+    @torch.library.register_fake("inplace_abn::forward_")
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,
+          groups=0, source=None):
+        return mask(x, activation, groups)
+
     @torch.library.register_fake("inplace_abn::bn_forward_")
     def _(x, weight, bias, running_mean, running_var, residual, momentum, eps, activation, activation_param,
           signed_weight, z_out=None, source=None):
-        words = (x.numel() + 31) // 32 if activation == 3 else 0
-        C = x.shape[1]
-        return x.new_empty(words, dtype=torch.int32), x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
+        return (mask(x, activation), *stats(x))
+
+    @torch.library.register_fake("inplace_abn::forward")
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, keep_z=False,
+          groups=0):
+        y, z = functional_outputs(x, keep_z)
+        return y, z, mask(y, activation, groups)
+
+    @torch.library.register_fake("inplace_abn::bn_forward")
+    def _(x, weight, bias, residual, eps, activation, activation_param, signed_weight, keep_z=False):
+        y, z = functional_outputs(x, keep_z)
+        return (y, z, mask(y, activation), *stats(x))
 
     @torch.library.register_fake("inplace_abn::backward_reduce")
     def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None,

@@ -91,31 +91,31 @@ def _prepare(x, residual):
 
 
 def _write(x, work, residual, invertible, forward_, forward_relu=None, out=None):
-    """Run ``forward_(target, residual, source) -> mask`` so that x ends up holding y, or,
-    with ``out`` (preserve_input: a new tensor in work's layout), so that out does and
-    work is only read (the operators' ``source``); returns (the tensor to save for
-    backward, the mask).
+    """Run ``forward_(target, residual, source) -> result`` (the mask, or a tuple that holds
+    it) so that x ends up holding y, or, with ``out`` (preserve_input: a new tensor in
+    work's layout), so that out does and work is only read (the operators' ``source``);
+    returns (the tensor to save for backward, the result).
 
     Non-invertible activations (ReLU) lose the negative values the backward
     needs, so z is kept, in the accumulation dtype (half inputs lose nothing;
     no memory saving), and saved. With ``forward_relu(target, residual, z_out,
-    source) -> mask`` (an operator that writes z into z_out and max(z, 0) into
+    source) -> result`` (an operator that writes z into z_out and max(z, 0) into
     the target in one pass) that costs one extra write; without it the
     normalisation runs on a copy and the activation is applied afterwards."""
     target, source = (work, None) if out is None else (out, work)
     if invertible:
-        mask = forward_(target, residual, source)
+        result = forward_(target, residual, source)
         saved_y = target
     elif forward_relu is not None:
         saved_y = torch.empty_like(work, dtype=_activation.acc_dtype(x.dtype))  # (keeps work's layout)
-        mask = forward_relu(target, residual, saved_y, source)
+        result = forward_relu(target, residual, saved_y, source)
     else:
         saved_y = work.to(_activation.acc_dtype(x.dtype), copy=True)
-        mask = forward_(saved_y, None if residual is None else residual.to(saved_y.dtype), None)
+        result = forward_(saved_y, None if residual is None else residual.to(saved_y.dtype), None)
         target.copy_(saved_y.clamp(min=0))
     if out is None and work is not x:  # strided input: computed on a contiguous copy
         x.copy_(work)
-    return saved_y, mask
+    return saved_y, result
 
 
 def _output_tensor(x, work, preserve):
@@ -253,39 +253,65 @@ class _InPlaceABNFunction(torch.autograd.Function):
         backend = _backend.current()  # the backward uses the same, in whatever thread it runs
         ops = _backend.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
-        work, residual = _prepare(x, residual)
         C = x.shape[1]
         local_count = x.numel() // C if C else 0
 
-        if training:
-            count = local_count
-            if group is None and not torch.compiler.is_compiling():
-                # the running-statistics update runs inside batch_stats (one call)
+        compiling = torch.compiler.is_compiling()
+        if compiling and group is None and ops is _backend.NATIVE:
+            # A compiled graph: the functional operators, y in a new tensor in the layout the
+            # graph gives x, no copy of x to the traced strides (docs/DESIGN.md section 5.1).
+            # momentum may be a symbolic float (momentum=None reads num_batches_tracked),
+            # which an operator's float argument cannot take: the graph updates the running
+            # statistics (the compiler fuses its few element-wise ops).
+            count, keep_z = local_count, not invertible
+            if training:
                 check_count(count, x.shape)
-                mean, var = ops.batch_stats(work, running_mean, running_var, momentum)
+                y, z, mask, mean, var = ops.bn_forward(x, weight, bias, residual, eps, act, activation_param, signed,
+                                                       keep_z)
+                update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape, False)
             else:
-                # synchronised: the global count, a device tensor (docs/DESIGN.md section 4).
-                # Compiled: momentum may be a symbolic float (momentum=None reads
-                # num_batches_tracked), which the float argument cannot take; the
-                # compiler fuses the update's few element-wise ops anyway.
-                mean, var = ops.batch_stats(work)
-                if group is not None:
-                    mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
-                update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape,
-                                     group is not None)
+                var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()  # (see below)
+                y, z, mask = ops.forward(x, running_mean, var, weight, bias, residual, eps, act, activation_param,
+                                         signed, keep_z)
+            ctx.save_for_backward(y if invertible else z, var, weight, bias, residual, mask)
+            ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype, backend)
+            return y
+
+        work, residual = _prepare(x, residual)
+        if training and group is None and ops is _backend.NATIVE:
+            # the local layer: statistics (with the running-statistics update) and y in one
+            # operator call, bn_forward_, as the C++ autograd of eager calls runs it
+            count = local_count
+            check_count(count, x.shape)
+
+            def normalise(t, r, z, src):
+                return ops.bn_forward_(t, weight, bias, running_mean, running_var, r, momentum, eps, act,
+                                       activation_param, signed, z, src)
         else:
-            # var is saved for backward: a copy, so that a later update of the running
-            # statistics cannot change it; no backward, no copy
-            mean, count = running_mean, local_count
-            var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()
+            if training:
+                count = local_count
+                if group is None and not compiling:  # (the update runs inside batch_stats)
+                    check_count(count, x.shape)
+                    mean, var = ops.batch_stats(work, running_mean, running_var, momentum)
+                else:
+                    mean, var = ops.batch_stats(work)
+                    if group is not None:  # the global count, a device tensor (docs/DESIGN.md section 4)
+                        mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
+                    update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape,
+                                         group is not None)
+            else:
+                # var is saved for backward: a copy, so that a later update of the running
+                # statistics cannot change it; no backward, no copy
+                mean, count = running_mean, local_count
+                var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()
+
+            def normalise(t, r, z, src):
+                return ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed, z,
+                                    source=src), mean, var
 
         out = _output_tensor(x, work, preserve)
-        saved_y, mask = _write(
-            x, work, residual, invertible,
-            lambda t, r, src: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed,
-                                           source=src),
-            lambda t, r, z, src: ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed, z,
-                                              source=src), out)
+        saved_y, (mask, mean, var) = _write(x, work, residual, invertible,
+                                            lambda t, r, src: normalise(t, r, None, src), normalise, out)
 
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype, backend)

@@ -317,3 +317,67 @@ def test_compiled_layer_on_a_graph_input_that_requires_grad(layer_kind, activati
     ref = torch.autograd.grad(f[activation](z), [xr, wr, br], dy)
     assert rel_err(got[0], ref[0]) < 1e-10, rel_err(got[0], ref[0])
     assert rel_err(got[1], ref[1]) < 1e-10 and rel_err(got[2], ref[2]) < 1e-10
+
+
+@pytest.mark.filterwarnings("ignore:In-place ABN with relu is not invertible")
+def test_inductor_hands_the_layers_its_own_layout():
+    """Inductor lays its CPU convolutions out channels-last. A compiled layer calls the
+    functional forward / bn_forward, which take the convolution's output as it is and give y
+    in its layout, and bn_backward gets that y (and gives dx like it): no copy to the traced
+    (contiguous) strides before each layer and back after its backward, as through the
+    mutating forward_ / bn_forward_ into an empty_like(x). Results as eager, every activation
+    kind, with residuals, training, eval with a backward and inference."""
+
+    class Net(nn.Module):
+        CFG = [("leaky_relu", False), ("silu", True), ("relu", False), ("elu", True), ("identity", False)]
+
+        def __init__(self, C=8):
+            super().__init__()
+            self.stem = nn.Conv2d(3, C, 3, padding=1, bias=False)
+            self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in self.CFG)
+            self.abns = nn.ModuleList(InPlaceABN(C, activation=a, activation_param=PARAM.get(a, 0.0))
+                                      for a, _ in self.CFG)
+            self.head = nn.Conv2d(C, 2, 1)
+
+        def forward(self, x):
+            h = self.stem(x)
+            for conv, abn, (_, res) in zip(self.convs, self.abns, self.CFG):
+                h = abn(conv(h), residual=h) if res else abn(conv(h))
+            return self.head(h)
+
+    def layouts(prof, names=("inplace_abn::bn_forward", "inplace_abn::forward", "inplace_abn::bn_backward",
+                             "inplace_abn::bn_forward_", "inplace_abn::forward_")):
+        """{operator: [whether each call's first tensor (x, or y for bn_backward) is channels-last]}, from the
+        strides the profiler recorded (the compiled code calls the operators through the dispatcher)."""
+        import json
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        seen = {}
+        for e in events:
+            if e.get("name") in names:
+                dims, strides = e["args"]["Input Dims"][0], e["args"]["Input Strides"][0]
+                seen.setdefault(e["name"], []).append(
+                    inplace_abn._pure.is_channels_last(torch.empty_strided(dims, strides, device="meta")))
+        return seen
+
+    torch.manual_seed(3)
+    eager = _randomise(Net(), seed=3)
+    x = torch.randn(4, 3, 6, 6)
+    with torch._inductor.config.patch(force_layout_optimization=True):
+        compiled = torch.compile(copy.deepcopy(eager), fullgraph=True)
+        _step(compiled, x, "train")  # (compiles the graphs first: the profiler then sees their calls alone)
+        _step(compiled, x, "eval")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            _step(compiled, x, "train")
+            _step(compiled, x, "eval")
+        compiled._orig_mod.load_state_dict(eager.state_dict())  # (the steps above moved the running statistics)
+        _assert_same(eager, compiled, x, modes=("train", "eval", "infer"), rtol=1e-4)
+    n = len(Net.CFG)
+    seen = layouts(prof)
+    assert seen == {"inplace_abn::bn_forward": [True] * n, "inplace_abn::forward": [True] * n,
+                    "inplace_abn::bn_backward": [True] * 2 * n}, seen

@@ -256,6 +256,6 @@ def test_operators_refuse_inputs_that_require_grad():
             ops.batch_stats(dual)
     # every operator but the two layers has this kernel (PyTorch's boxed fallback would
     # only warn, and only once a backward reaches the outputs)
-    for name in ("batch_stats", "forward_", "backward_reduce", "backward_input", "backward_input_from_z_",
-                 "weight_grad", "gn_backward", "bn_backward"):
+    for name in ("batch_stats", "forward_", "bn_forward_", "forward", "bn_forward", "backward_reduce",
+                 "backward_input", "backward_input_from_z_", "weight_grad", "gn_backward", "bn_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"inplace_abn::{name}", "Autograd"), name

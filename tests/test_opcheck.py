@@ -94,6 +94,66 @@ def test_bn_forward_is_the_separate_operators(act, shape, fmt, dtype):
                               (x.clone(), w, b, *[t.clone() for t in running], r, 0.1, 1e-5, act, p, False, z))
 
 
+def _in_layout(t, layout):
+    """t in one of the layouts the functional forwards meet: contiguous, channels-last, or strided (every other
+    element of a wider tensor, which the kernels cannot walk)."""
+    if layout == "strided":
+        return t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])[..., ::2].copy_(t)
+    return t.contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("act", ACTS + ["relu"])
+def test_functional_forwards_are_the_mutating_ones(act, layout):
+    """forward and bn_forward (the compiled layer's operators) give forward_'s / bn_forward_'s y, z (ReLU), mask and
+    statistics to the bit, leave x as it was, and return y (and z) in x's layout, or contiguous where the kernels
+    cannot walk x's (strided); with a residual in another layout; opcheck on both, in each layout."""
+    ops = torch.ops.inplace_abn
+    relu = act == "relu"
+    act = _activation.IDENTITY if relu else act
+    g = torch.Generator().manual_seed(act + 11)
+    shape = (4, 6, 8, 8)
+    x = _in_layout(torch.randn(shape, generator=g) * 3 + 2, layout)
+    r = torch.randn(shape, generator=g)  # contiguous whatever x's layout
+    C = shape[1]
+    w, b = torch.randn(C, generator=g), torch.randn(C, generator=g)
+    p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 0.8}.get(act, 0.0)
+    x0 = x.clone()
+    walk = x if layout != "strided" else x.contiguous()  # what the mutating operators are given
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+
+    def mutating(fn, *args):
+        y = torch.empty_like(walk)
+        z = torch.empty_like(walk) if relu else None
+        return y, z, fn(y, *args, z, walk)
+
+    y1, z1, (mask1, mean1, var1) = mutating(lambda y, z, src: ops.bn_forward_(
+        y, w, b, None, None, r, 0.0, 1e-5, act, p, False, z, src))
+    y2, z2, mask2, mean2, var2 = ops.bn_forward(x, w, b, r, 1e-5, act, p, False, relu)
+    stats = torch.randn(C, generator=g) * 0.1, torch.rand(C, generator=g) + 0.5
+    y3, z3, mask3 = mutating(lambda y, z, src: ops.forward_(y, *stats, w, b, r, 1e-5, act, p, False, z, 0, src))
+    y4, z4, mask4 = ops.forward(x, *stats, w, b, r, 1e-5, act, p, False, relu)
+    for name, a, b_ in (("y", y1, y2), ("mask", mask1, mask2), ("mean", mean1, mean2), ("var", var1, var2),
+                        ("eval y", y3, y4), ("eval mask", mask3, mask4)):
+        assert torch.equal(a, b_), name
+    for z, z_ in ((z1, z2), (z3, z4)):
+        assert torch.equal(z, z_) if relu else z_.numel() == 0
+    for t in (y2, y4) + ((z2, z4) if relu else ()):
+        assert t.is_contiguous(memory_format=fmt) and t.stride() == walk.stride()
+    assert torch.equal(x, x0)
+    torch.library.opcheck(ops.bn_forward.default, (x, w, b, r, 1e-5, act, p, False, relu))
+    torch.library.opcheck(ops.forward.default, (x, *stats, w, b, r, 1e-5, act, p, False, relu))
+
+
+def test_functional_forwards_refuse_keep_z_without_identity():
+    x, w, b = torch.randn(4, 6, 8, 8), torch.ones(6), torch.zeros(6)
+    with pytest.raises(RuntimeError, match="keep_z is the ReLU path and needs activation 0"):
+        torch.ops.inplace_abn.bn_forward(x, w, b, None, 1e-5, _activation.LEAKY_RELU, 0.1, False, True)
+    with pytest.raises(RuntimeError, match="keep_z is the ReLU path and needs activation 0"):
+        torch.ops.inplace_abn.forward(x, torch.zeros(6), torch.ones(6), w, b, None, 1e-5, _activation.SILU, 0.0,
+                                      False, True)
+
+
 def test_bn_forward_refuses_what_batch_stats_and_forward_refuse():
     """bn_forward_'s one-pass path checks what the two operators check, with their messages."""
     ops = torch.ops.inplace_abn

@@ -27,6 +27,8 @@ struct Ops {
   decltype(handle<batch_stats>("")) stats = handle<batch_stats>("inplace_abn::batch_stats");
   decltype(handle<forward_>("")) fwd = handle<forward_>("inplace_abn::forward_");
   decltype(handle<bn_forward_>("")) bn_fwd = handle<bn_forward_>("inplace_abn::bn_forward_");
+  decltype(handle<forward>("")) fwd_functional = handle<forward>("inplace_abn::forward");
+  decltype(handle<bn_forward>("")) bn_fwd_functional = handle<bn_forward>("inplace_abn::bn_forward");
   decltype(handle<backward_reduce>("")) reduce = handle<backward_reduce>("inplace_abn::backward_reduce");
   decltype(handle<backward_input>("")) input = handle<backward_input>("inplace_abn::backward_input");
   decltype(handle<backward_input_from_z_>("")) input_z =
@@ -304,6 +306,8 @@ TORCH_LIBRARY_IMPL(inplace_abn, Autograd, m) {
   IABN_NO_GRAD(batch_stats, stats);
   IABN_NO_GRAD(forward_, fwd);
   IABN_NO_GRAD(bn_forward_, bn_fwd);
+  IABN_NO_GRAD(forward, fwd_functional);
+  IABN_NO_GRAD(bn_forward, bn_fwd_functional);
   IABN_NO_GRAD(backward_reduce, reduce);
   IABN_NO_GRAD(backward_input, input);
   IABN_NO_GRAD(backward_input_from_z_, input_z);

@@ -124,10 +124,11 @@ inline Geometry geometry_of(const at::Tensor& x, const char* name) {
 inline at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& o) {
   return o.device().is_cpu() ? at::Tensor(at::detail::empty_cpu(sizes, o)) : at::empty(sizes, o);
 }
-// t's sizes, dtype and memory layout, as at::empty_like(t, Preserve)
-inline at::Tensor new_like(const at::Tensor& t) {
-  if (!t.is_cpu() || !t.is_non_overlapping_and_dense()) return at::empty_like(t, at::MemoryFormat::Preserve);
-  return at::detail::empty_strided_cpu(t.sizes(), t.strides(), t.options());
+// t's sizes, dtype (or dtype) and memory layout, as at::empty_like(t, Preserve)
+inline at::Tensor new_like(const at::Tensor& t, std::optional<at::ScalarType> dtype = std::nullopt) {
+  const auto o = t.options().dtype(dtype.value_or(t.scalar_type()));
+  if (!t.is_cpu() || !t.is_non_overlapping_and_dense()) return at::empty_like(t, o, at::MemoryFormat::Preserve);
+  return at::detail::empty_strided_cpu(t.sizes(), t.strides(), o);
 }
 
 // `t` with ref's dtype and memory order: t itself when it has them, else a

@@ -41,6 +41,19 @@ TORCH_LIBRARY(inplace_abn, m) {
       "bn_forward_(Tensor(a!) x, Tensor? weight, Tensor? bias, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
       "Tensor? residual, float momentum, float eps, int activation, float activation_param, bool signed_weight, "
       "Tensor(d!)? z_out=None, Tensor? source=None) -> (Tensor mask, Tensor mean, Tensor var)");
+  // The functional twins of forward_ and bn_forward_, for compiled graphs: x is only read, y is a new tensor in x's
+  // layout (contiguous where the kernels cannot walk x's), z receives ReLU's pre-activation (keep_z, activation 0;
+  // accumulation dtype, y's layout) or is empty. bn_forward takes no running statistics (a graph updates them
+  // itself). Without the mutation of forward_ (whose x and source were copied to the traced strides in a compiled
+  // graph: x twice per layer and step), inductor hands x over in the layout it chose (src/ops/functional_forward.cpp).
+  m.def(
+      "forward(Tensor x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, float eps, "
+      "int activation, float activation_param, bool signed_weight, bool keep_z=False, int groups=0) "
+      "-> (Tensor y, Tensor z, Tensor mask)");
+  m.def(
+      "bn_forward(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, int activation, "
+      "float activation_param, bool signed_weight, bool keep_z=False) "
+      "-> (Tensor y, Tensor z, Tensor mask, Tensor mean, Tensor var)");
   // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone. relu (with
   // activation 0): y holds the z of a ReLU layer (forward_'s z_out) and gz = dy
   // where z > 0, else 0, as threshold_backward(dy, z, 0) first (CPU: in the same pass).

@@ -54,6 +54,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_forward_(
     double activation_param, bool signed_weight, const std::optional<at::Tensor>& z_out,
     const std::optional<at::Tensor>& source);
 
+// The functional twins of forward_ and bn_forward_ (src/ops/functional_forward.cpp): (y, z, mask) and
+// (y, z, mask, mean, var), y a new tensor in x's layout, z ReLU's pre-activation (keep_z) or empty; bn_forward takes
+// no running statistics.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mean,
+                                                       const at::Tensor& var, const std::optional<at::Tensor>& weight,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       const std::optional<at::Tensor>& residual, double eps,
+                                                       int64_t activation, double activation_param,
+                                                       bool signed_weight, bool keep_z, int64_t groups);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_forward(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, double eps, int64_t activation, double activation_param,
+    bool signed_weight, bool keep_z);
+
 // The local BatchNorm layer's whole backward: dx, dweight, dbias, dresidual (those
 // output_mask leaves out: empty tensors).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
@@ -78,6 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
   m.impl("batch_stats", &::inplace_abn::batch_stats);         \
   m.impl("forward_", &::inplace_abn::forward_);               \
   m.impl("bn_forward_", &::inplace_abn::bn_forward_);         \
+  m.impl("forward", &::inplace_abn::forward);                 \
+  m.impl("bn_forward", &::inplace_abn::bn_forward);           \
   m.impl("backward_reduce", &::inplace_abn::backward_reduce); \
   m.impl("backward_input", &::inplace_abn::backward_input);   \
   m.impl("weight_grad", &::inplace_abn::weight_grad);         \
