@@ -4,6 +4,11 @@ BatchNorm2d + activation, both compiled, forward + backward on the CPU.
     python benchmarks/bench_compile.py                       # defaults below
     python benchmarks/bench_compile.py --backend python      # pure-PyTorch kernels
     python benchmarks/bench_compile.py --batch 32 --channels 64 --size 32 --blocks 4
+    python benchmarks/bench_compile.py --groups 32 --channels 64 --activation silu   # InPlaceAGN vs GroupNorm
+
+To compare two builds, run each with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1:
+inductor's FX graph cache does not key on the operators' layout tags, so a
+graph compiled by the other build may be reused.
 
 Prints one row per variant: compile time (first step), median and best step
 time in ms over --iters steps (the variants' steps interleaved, so a busy
@@ -34,13 +39,17 @@ from inplace_abn import InPlaceABN  # noqa: E402
 from inplace_abn.memory import model_saved_bytes  # noqa: E402
 
 
-def make_net(norm: str, blocks: int, channels: int, activation: str, param: float) -> nn.Module:
+def make_net(norm: str, blocks: int, channels: int, activation: str, param: float, groups: int = 0) -> nn.Module:
+    """conv3x3 + norm/activation blocks, then a linear head; the norm is BatchNorm2d, or with ``groups``
+    GroupNorm (``norm``: "stock" for the torch.nn layers, "inplace_abn" for InPlaceABN / InPlaceAGN)."""
     def norm_act(c):
         if norm == "inplace_abn":
+            if groups:
+                return [inplace_abn.InPlaceAGN(groups, c, activation=activation, activation_param=param)]
             return [InPlaceABN(c, activation=activation, activation_param=param)]
         act = {"leaky_relu": nn.LeakyReLU(param), "elu": nn.ELU(param), "silu": nn.SiLU(),
                "identity": nn.Identity()}[activation]
-        return [nn.BatchNorm2d(c), act]
+        return [nn.GroupNorm(groups, c) if groups else nn.BatchNorm2d(c), act]
 
     layers = [nn.Conv2d(3, channels, 3, padding=1, bias=False), *norm_act(channels)]
     for _ in range(blocks):
@@ -99,6 +108,8 @@ def main():
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--activation", default="leaky_relu", choices=["leaky_relu", "elu", "silu", "identity"])
+    ap.add_argument("--groups", type=int, default=0,
+                    help="GroupNorm with this many groups (InPlaceAGN against nn.GroupNorm) instead of BatchNorm")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
@@ -119,7 +130,7 @@ def main():
         backend = "native" if inplace_abn._backend.ops_for(x) is inplace_abn._backend.NATIVE else "python"
         for norm in ("stock", "inplace_abn"):
             torch.manual_seed(0)
-            net = make_net(norm, args.blocks, args.channels, args.activation, param)
+            net = make_net(norm, args.blocks, args.channels, args.activation, param, args.groups)
             if not args.no_eager:
                 models[f"{norm} eager"] = net
             models[f"{norm} compiled"] = torch.compile(copy.deepcopy(net), backend=args.compiler)
@@ -128,9 +139,10 @@ def main():
         peak = {name: step_peak_bytes(m, x, target) / 2**20 for name, m in models.items()}
 
     _, base_med, base_best = rows["stock compiled"]
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, inplace_abn kernels: {backend}, "
-          f"compiler: {args.compiler}")
-    print(f"net: conv3x3 + norm/{args.activation} x {args.blocks + 1}, batch {args.batch}, "
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"ISA {torch.backends.cpu.get_cpu_capability()}, inplace_abn kernels: {backend}, compiler: {args.compiler}")
+    norm = f"GroupNorm({args.groups})" if args.groups else "BatchNorm"
+    print(f"net: conv3x3 + {norm}/{args.activation} x {args.blocks + 1}, batch {args.batch}, "
           f"{args.channels} channels, {args.size}x{args.size}; forward + backward, {args.iters} steps")
     print(f"{'variant':<22}{'first step (s)':>15}{'median (ms)':>13}{'best (ms)':>11}"
           f"{'median/stock comp.':>20}{'best/stock comp.':>18}{'saved for bwd (MiB)':>21}{'step peak (MiB)':>17}")

@@ -8,6 +8,11 @@ operators of ``src/ops/library.cpp``::
     gn_forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias,
                 Tensor? residual, float eps, int activation, float activation_param,
                 bool signed_weight, Tensor? source=None) -> Tensor mask      (source: read in x's place)
+    gn_forward(Tensor x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual,
+                float eps, int activation, float activation_param, bool signed_weight)
+                -> (Tensor y, Tensor mask)      gn_forward_'s functional twin, for compiled graphs:
+                                                 y new, in x's layout (contiguous where the kernels
+                                                 cannot walk x's), x only read
     gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias,
                 Tensor? residual, float eps, int activation, float activation_param,
                 bool signed_weight, Tensor(b!)? z_out=None)
@@ -36,13 +41,17 @@ import torch
 from . import _activation as A
 from . import _backend, _pure
 
-OP_NAMES = ("gn_stats", "gn_forward_", "gn_backward_reduce", "gn_backward_input", "gn_backward_input_from_z_")
+OP_NAMES = ("gn_stats", "gn_forward_", "gn_forward", "gn_backward_reduce", "gn_backward_input",
+            "gn_backward_input_from_z_")
 
 SCHEMAS = {
     "gn_stats": "gn_stats(Tensor x, int groups) -> (Tensor, Tensor)",
     "gn_forward_": (
         "gn_forward_(Tensor(a!) x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
         "float eps, int activation, float activation_param, bool signed_weight, Tensor? source=None) -> Tensor"),
+    "gn_forward": (
+        "gn_forward(Tensor x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
+        "float eps, int activation, float activation_param, bool signed_weight) -> (Tensor, Tensor)"),
     "gn_backward_reduce": (
         "gn_backward_reduce(Tensor y, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, Tensor? residual, "
         "float eps, int activation, float activation_param, bool signed_weight, Tensor(b!)? z_out=None) "
@@ -111,6 +120,25 @@ def gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, sourc
     return mask
 
 
+def _walkable(x):
+    """x where the kernels can walk its layout (contiguous, channels-last), else a contiguous copy."""
+    return x if x.is_contiguous() or _pure.is_channels_last(x) else x.contiguous()
+
+
+def _functional(forward_):
+    """The functional twin of a ``forward_`` (gn_forward_ / native_gn_forward_): (y, mask), y a new tensor in
+    x's layout. Compiled graphs call it: through forward_ into an empty_like(x) with source=x, inductor copied
+    x to the traced (contiguous) layout after its channels-last convolutions (docs/DESIGN.md section 5.1)."""
+    def forward(x, mean, var, weight, bias, residual, eps, act, p, signed):
+        x = _walkable(x)
+        y = torch.empty_like(x)
+        return y, forward_(y, mean, var, weight, bias, residual, eps, act, p, signed, x)
+    return forward
+
+
+gn_forward = _functional(gn_forward_)
+
+
 def gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out=None):
     # z, f'(z) and xhat from y: per element and per channel, so the BatchNorm recomputation serves as is
     fp, xhat, _ = _pure._recompute(y, mask, weight, bias, residual, eps, act, p, signed, z_out)
@@ -172,7 +200,7 @@ def _native_ok(x, act):
 def native_gn_stats(x, groups):
     if x.numel() == 0:
         return gn_stats(x, groups)
-    return _BN.batch_stats(x, None, None, 0.0, groups)
+    return _BN.batch_stats(_walkable(x), None, None, 0.0, groups)
 
 
 def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, source=None):
@@ -181,6 +209,9 @@ def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed
     if x.numel() == 0:
         return x.new_empty(0, dtype=torch.int32)
     return _BN.forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, None, mean.shape[1], source)
+
+
+native_gn_forward = _functional(native_gn_forward_)
 
 
 def native_gn_backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, z_out=None):
@@ -212,6 +243,9 @@ def native_gn_backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean
 # ---- registration --------------------------------------------------------------
 
 _lib = torch.library.Library("inplace_abn", "FRAGMENT")
+# gn_stats and gn_forward take x in any layout (`_walkable`): compiled graphs then hand it over in
+# theirs, without a copy to the traced strides (docs/DESIGN.md section 5.1)
+FLEXIBLE = (torch.Tag.flexible_layout,)
 
 
 def _declared(name):
@@ -231,7 +265,7 @@ def _register():
     native_keys = [key for key, device in (("CPU", "cpu"), ("CUDA", "cuda")) if _backend._has_device_kernel(device)]
     for name in OP_NAMES:
         if not _declared(name):
-            _lib.define(SCHEMAS[name])
+            _lib.define(SCHEMAS[name], tags=FLEXIBLE if name in ("gn_stats", "gn_forward") else ())
         _lib.impl(name, PURE[name], "CompositeExplicitAutograd")
         for key in native_keys:
             _lib.impl(name, NATIVE[name], key)
@@ -244,9 +278,15 @@ def _register():
         return x.new_empty(x.shape[0], groups, dtype=acc(x)), x.new_empty(x.shape[0], groups, dtype=acc(x))
 
     @torch.library.register_fake("inplace_abn::gn_forward_", lib=_lib)
-    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight, source=None):
+    def forward_fake(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight,
+                     source=None):
         words = (x.numel() + 31) // 32 if activation == A.SILU else 0
         return x.new_empty(words, dtype=torch.int32)
+
+    @torch.library.register_fake("inplace_abn::gn_forward", lib=_lib)
+    def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight):
+        y = torch.empty_like(_walkable(x))
+        return y, forward_fake(y, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight)
 
     @torch.library.register_fake("inplace_abn::gn_backward_reduce", lib=_lib)
     def _(y, dy, mask, weight, bias, residual, eps, activation, activation_param, signed_weight, z_out=None):

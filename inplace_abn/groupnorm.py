@@ -30,6 +30,14 @@ class _InPlaceAGNFunction(torch.autograd.Function):
         backend = _backend.current()  # the backward uses the same, in whatever thread it runs
         ops = _groupnorm_ops.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
+        if invertible and torch.compiler.is_compiling():
+            # A compiled graph: the functional gn_forward, y in a new tensor in the layout
+            # the graph gives x, no copy to the traced strides (docs/DESIGN.md section 5.1)
+            mean, var = ops.gn_stats(x, groups)
+            y, mask = ops.gn_forward(x, mean, var, weight, bias, residual, eps, act, activation_param, signed)
+            ctx.save_for_backward(y, var, weight, bias, residual, mask)
+            ctx.config = (eps, act, activation_param, signed, invertible, x.dtype, backend)
+            return y
         work, residual = _prepare(x, residual)
         mean, var = ops.gn_stats(work, groups)
         out = _output_tensor(x, work, preserve)

@@ -322,11 +322,13 @@ def test_compiled_layer_on_a_graph_input_that_requires_grad(layer_kind, activati
 @pytest.mark.filterwarnings("ignore:In-place ABN with relu is not invertible")
 def test_inductor_hands_the_layers_its_own_layout():
     """Inductor lays its CPU convolutions out channels-last. A compiled layer calls the
-    functional forward / bn_forward, which take the convolution's output as it is and give y
-    in its layout, and bn_backward gets that y (and gives dx like it): no copy to the traced
-    (contiguous) strides before each layer and back after its backward, as through the
-    mutating forward_ / bn_forward_ into an empty_like(x). Results as eager, every activation
-    kind, with residuals, training, eval with a backward and inference."""
+    functional forward / bn_forward (InPlaceAGN: gn_stats, gn_forward), which take the
+    convolution's output as it is and give y in its layout, and bn_backward (gn_backward)
+    gets that y (and gives dx like it): no copy to the traced (contiguous) strides before each
+    layer and back after its backward, as through the mutating forward_ / bn_forward_ into an
+    empty_like(x) or, for operators without the flexible_layout tag, inductor's copies to the
+    strides seen while tracing. Results as eager, every activation kind, with residuals,
+    training, eval with a backward and inference."""
 
     class Net(nn.Module):
         CFG = [("leaky_relu", False), ("silu", True), ("relu", False), ("elu", True), ("identity", False)]
@@ -337,18 +339,23 @@ def test_inductor_hands_the_layers_its_own_layout():
             self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in self.CFG)
             self.abns = nn.ModuleList(InPlaceABN(C, activation=a, activation_param=PARAM.get(a, 0.0))
                                       for a, _ in self.CFG)
+            self.gn_conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
+            self.agn = inplace_abn.InPlaceAGN(2, C, activation="silu")
             self.head = nn.Conv2d(C, 2, 1)
 
         def forward(self, x):
             h = self.stem(x)
             for conv, abn, (_, res) in zip(self.convs, self.abns, self.CFG):
                 h = abn(conv(h), residual=h) if res else abn(conv(h))
-            return self.head(h)
+            return self.head(self.agn(self.gn_conv(h), residual=h))
 
     def layouts(prof, names=("inplace_abn::bn_forward", "inplace_abn::forward", "inplace_abn::bn_backward",
-                             "inplace_abn::bn_forward_", "inplace_abn::forward_")):
-        """{operator: [whether each call's first tensor (x, or y for bn_backward) is channels-last]}, from the
-        strides the profiler recorded (the compiled code calls the operators through the dispatcher)."""
+                             "inplace_abn::gn_stats", "inplace_abn::gn_forward", "inplace_abn::gn_backward",
+                             "inplace_abn::bn_forward_", "inplace_abn::gn_forward_")):
+        """{operator: [whether each call's first tensor (x, or y for the backwards) is channels-last]}, from the
+        strides the profiler recorded (the compiled code calls the operators through the dispatcher). The last
+        two are the mutating forwards that compiled layers called before (forward_ is left out: gn_forward's
+        native kernel calls it on its new y)."""
         import json
         import tempfile
 
@@ -368,7 +375,9 @@ def test_inductor_hands_the_layers_its_own_layout():
     torch.manual_seed(3)
     eager = _randomise(Net(), seed=3)
     x = torch.randn(4, 3, 6, 6)
-    with torch._inductor.config.patch(force_layout_optimization=True):
+    # (no FX graph cache: its key leaves out the operators' layout tags, and a graph cached
+    # before a change of them would be reused)
+    with torch._inductor.config.patch(force_layout_optimization=True, force_disable_caches=True):
         compiled = torch.compile(copy.deepcopy(eager), fullgraph=True)
         _step(compiled, x, "train")  # (compiles the graphs first: the profiler then sees their calls alone)
         _step(compiled, x, "eval")
@@ -380,4 +389,5 @@ def test_inductor_hands_the_layers_its_own_layout():
     n = len(Net.CFG)
     seen = layouts(prof)
     assert seen == {"inplace_abn::bn_forward": [True] * n, "inplace_abn::forward": [True] * n,
-                    "inplace_abn::bn_backward": [True] * 2 * n}, seen
+                    "inplace_abn::bn_backward": [True] * 2 * n, "inplace_abn::gn_stats": [True] * 2,
+                    "inplace_abn::gn_forward": [True] * 2, "inplace_abn::gn_backward": [True] * 2}, seen

@@ -325,6 +325,18 @@ def test_opcheck_groupnorm_operators(act, fmt, residual):
                           (y, dy, mask, var, w, b, r, mg, mgx, 1e-5, act, p, False, residual))
     torch.library.opcheck(ops.gn_forward_.default,
                           (x.clone().bfloat16(), mean, var, None, None, None, 1e-5, act, p, False))
+    # gn_forward (compiled layers): gn_forward_'s y and mask to the bit, in x's layout, x read only; an x the
+    # kernels cannot walk (every other element of a wider tensor) is taken too, its y contiguous
+    y2, mask2 = ops.gn_forward(x, mean, var, w, b, r, 1e-5, act, p, False)
+    assert torch.equal(y2, y) and torch.equal(mask2, mask) and y2.stride() == x.stride()
+    strided = x.new_zeros(3, 8, 4, 10)[..., ::2].copy_(x)
+    y3, mask3 = ops.gn_forward(strided, mean, var, w, b, r, 1e-5, act, p, False)
+    y4, mask4 = ops.gn_forward(x.contiguous(), mean, var, w, b, r, 1e-5, act, p, False)
+    assert y3.is_contiguous() and torch.equal(y3, y4) and torch.equal(mask3, mask4)
+    assert all(torch.equal(a, b_) for a, b_ in zip(ops.gn_stats(strided, 4), ops.gn_stats(x.contiguous(), 4)))
+    for xin in (x, strided):
+        torch.library.opcheck(ops.gn_stats.default, (xin, 4))
+        torch.library.opcheck(ops.gn_forward.default, (xin, mean, var, w, b, r, 1e-5, act, p, False))
 
 
 @pytest.mark.skipif(not inplace_abn.HAS_NATIVE, reason="native kernels only")

@@ -1,9 +1,10 @@
 // inplace_abn::forward and inplace_abn::bn_forward: the functional twins of forward_ and bn_forward_, for compiled
 // graphs (inplace_abn/functions.py under torch.compile): y in a new tensor in x's memory layout, x only read, nothing
 // mutated. Through forward_, a compiled layer wrote y into an empty_like(x) that inductor lays out contiguous, with
-// x as its source, which must share its strides: after inductor's channels-last CPU convolutions, x was copied to
-// the contiguous layout before every layer and dx back after its backward. Here y simply takes x's layout. An x
-// whose layout the kernels cannot walk is made contiguous first. docs/DESIGN.md section 5.1.
+// x as its source, which must share its strides; and inductor copies a custom operator's tensors to the strides seen
+// while tracing unless its schema is tagged flexible_layout, as these are (src/ops/library.cpp). After inductor's
+// channels-last CPU convolutions, each layer's x was copied to contiguous and its dx back. Here y takes x's layout,
+// whatever it is; an x the kernels cannot walk is made contiguous first. docs/DESIGN.md section 5.1.
 #include "ops/common.h"
 #include "ops/ops.h"
 

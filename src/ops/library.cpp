@@ -44,16 +44,18 @@ TORCH_LIBRARY(inplace_abn, m) {
   // The functional twins of forward_ and bn_forward_, for compiled graphs: x is only read, y is a new tensor in x's
   // layout (contiguous where the kernels cannot walk x's), z receives ReLU's pre-activation (keep_z, activation 0;
   // accumulation dtype, y's layout) or is empty. bn_forward takes no running statistics (a graph updates them
-  // itself). Without the mutation of forward_ (whose x and source were copied to the traced strides in a compiled
-  // graph: x twice per layer and step), inductor hands x over in the layout it chose (src/ops/functional_forward.cpp).
+  // itself). flexible_layout: inductor hands x over in the layout it chose (channels-last after its CPU
+  // convolutions) instead of copying it to the strides seen while tracing (src/ops/functional_forward.cpp).
   m.def(
       "forward(Tensor x, Tensor mean, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, float eps, "
       "int activation, float activation_param, bool signed_weight, bool keep_z=False, int groups=0) "
-      "-> (Tensor y, Tensor z, Tensor mask)");
+      "-> (Tensor y, Tensor z, Tensor mask)",
+      {at::Tag::flexible_layout});
   m.def(
       "bn_forward(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, int activation, "
       "float activation_param, bool signed_weight, bool keep_z=False) "
-      "-> (Tensor y, Tensor z, Tensor mask, Tensor mean, Tensor var)");
+      "-> (Tensor y, Tensor z, Tensor mask, Tensor mean, Tensor var)",
+      {at::Tag::flexible_layout});
   // Per-channel S_g = sum gz and S_gx = sum gz * xhat, from y alone. relu (with
   // activation 0): y holds the z of a ReLU layer (forward_'s z_out) and gz = dy
   // where z > 0, else 0, as threshold_backward(dy, z, 0) first (CPU: in the same pass).
@@ -79,10 +81,13 @@ TORCH_LIBRARY(inplace_abn, m) {
   // dtype (relu: z's). With dx_out (y's shape and strides, dx's dtype; it may be dy itself, each of whose elements is
   // read before dx is written over it): dx is written there and the dx output is empty. The C++ layer passes dy
   // on the CPU when nothing else holds it, so that dx takes lines already cached instead of fresh memory.
+  // flexible_layout: in a compiled graph y comes in the layout the functional forward gave it, dy in the graph's
+  // (converted to y's here where it differs), with no copy to the traced strides.
   m.def(
       "bn_backward(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "float eps, int activation, float activation_param, bool signed_weight, bool training, bool[4] output_mask, "
-      "bool relu=False, Tensor(e!)? dx_out=None) -> (Tensor dx, Tensor dweight, Tensor dbias, Tensor dresidual)");
+      "bool relu=False, Tensor(e!)? dx_out=None) -> (Tensor dx, Tensor dweight, Tensor dbias, Tensor dresidual)",
+      {at::Tag::flexible_layout});
   // The whole local layer with its autograd in C++ (src/ops/autograd.cpp): batch statistics and running-statistics
   // update (training), forward_ into x; the backward is one bn_backward call. relu: the non-invertible ReLU
   // (activation 0), whose z is kept for backward. Given num_batches_tracked, adds 1 to it once the layer has run
@@ -116,11 +121,13 @@ TORCH_LIBRARY(inplace_abn, m) {
       "bool signed_weight, bool residual_grad, float sums_scale=1.0, int groups=0) -> Tensor dresidual");
   // The GroupNorm backward (groups > 0; docs/DESIGN.md section 10): dx, dresidual
   // (empty without residual_grad) and the per-channel sums over the batch S_g =
-  // sum gz, S_gx = sum gz xhat; one pass over memory for a contiguous y on the CPU.
+  // sum gz, S_gx = sum gz xhat; one pass over memory for a contiguous y on the CPU. flexible_layout: as
+  // bn_backward.
   m.def(
       "gn_backward(Tensor y, Tensor dy, Tensor mask, Tensor var, Tensor? weight, Tensor? bias, Tensor? residual, "
       "int groups, float eps, int activation, float activation_param, bool signed_weight, bool residual_grad) "
-      "-> (Tensor dx, Tensor dresidual, Tensor sum_gz, Tensor sum_gz_xhat)");
+      "-> (Tensor dx, Tensor dresidual, Tensor sum_gz, Tensor sum_gz_xhat)",
+      {at::Tag::flexible_layout});
 }
 
 TORCH_LIBRARY_IMPL(inplace_abn, CPU, m) {
