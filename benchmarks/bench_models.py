@@ -51,6 +51,7 @@ unaffected).
     PYTHONPATH=. python benchmarks/bench_models.py --models resnet50 --repeats 30 --json /tmp/models.json
     PYTHONPATH=. python benchmarks/bench_models.py --breakdown     # and where stock's and converted's step time goes
     PYTHONPATH=. python benchmarks/bench_models.py --quick --breakdown 2
+    PYTHONPATH=. python benchmarks/bench_models.py --compile --models resnet50   # all variants compiled
 
 Breakdown (``--breakdown [STEPS]``, 3 steps unless given): after the timed steps, STEPS
 steps of the stock and converted variants (not checkpoint) run under torch.profiler,
@@ -226,18 +227,28 @@ def ratio_cell(times_s, base_s) -> str:
 BREAKDOWN_VARIANTS = ("stock", "converted")
 
 
-def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, progress=True, profile_steps=0):
+def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, progress=True, profile_steps=0,
+                compile=False):
     """Timings (seconds per step) and saved bytes of the three variants of one model, and with
-    ``profile_steps`` the breakdown of stock and converted (under the key "breakdown")."""
+    ``profile_steps`` the breakdown of stock and converted (under the key "breakdown"). With
+    ``compile`` every variant is run through torch.compile (inductor; the saved bytes are those of
+    the eager model) and its first step, which compiles, is timed apart ("compile_s")."""
     models, classes = build_variants(name)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, size, size, generator=g)
     seg = name.startswith(("deeplab", "fcn"))
     target = torch.randint(0, classes, (batch, size, size) if seg else (batch,), generator=g)
     mem = {v: saved_bytes(m, x) for v, m in models.items()}
-    steps = {v: make_step(m, x, target) for v, m in models.items()}
+    steps = {v: make_step(torch.compile(m) if compile else m, x, target) for v, m in models.items()}
+    first = {}
+    if compile:
+        for v, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            first[v] = time.perf_counter() - t0
     times = time_interleaved(steps, repeats, warmup, f"{name} b{batch} {size}px", progress)
-    out = {v: {"times_s": times[v], "saved_bytes": mem[v]} for v in VARIANTS}
+    out = {v: {"times_s": times[v], "saved_bytes": mem[v], **({"compile_s": first[v]} if compile else {})}
+           for v in VARIANTS}
     if profile_steps:
         out["breakdown"] = profile_variants({v: steps[v] for v in BREAKDOWN_VARIANTS}, profile_steps)
     del models, steps
@@ -275,8 +286,10 @@ def time_interleaved(steps, repeats: int, warmup: int, desc: str, progress=True)
 
 def header(args, allocator: str) -> str:
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
+    mode = ("torch.compile (inductor; each variant's first step, which compiles, before the warm-up)"
+            if args.compile else "eager")
     return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu_name()}, "
-            f"ISA {torch.backends.cpu.get_cpu_capability()}, float32, inplace_abn backend={backend}, "
+            f"ISA {torch.backends.cpu.get_cpu_capability()}, float32, {mode}, inplace_abn backend={backend}, "
             f"allocator: {allocator}, {args.repeats} repeats after {args.warmup} warm-up steps")
 
 
@@ -294,6 +307,10 @@ def table(rows) -> str:
                          f"{(q3 - q1) * 1e3:.1f} | {med / base_med:.3f} | "
                          f"{ratio_cell(r['times_s'], base['times_s'])} | "
                          f"{r['saved_bytes'] / MiB:.1f} | {r['saved_bytes'] / base['saved_bytes']:.3f} |")
+    for row in rows:
+        if "compile_s" in row["variants"]["stock"]:
+            lines.append(f"\n{row['model']}: first step (compiling) " + ", ".join(
+                f"{v} {row['variants'][v]['compile_s']:.1f} s" for v in VARIANTS))
     return "\n".join(lines)
 
 
@@ -313,6 +330,8 @@ def parse_args(argv=None):
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default allocation heuristics")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results (all step times) here")
+    ap.add_argument("--compile", action="store_true",
+                    help="run every variant through torch.compile (inductor); memory figures stay the eager ones")
     ap.add_argument("--breakdown", type=int, nargs="?", const=3, default=0, metavar="STEPS",
                     help="then profile STEPS steps (default 3) of stock and converted: norm+act / conv / other")
     args = ap.parse_args(argv)
@@ -342,7 +361,7 @@ def main(argv=None):
         _, _, batch, size = MODELS[name]
         batch, size = args.batch or batch, args.size or size
         variants = bench_model(name, batch, size, args.repeats, args.warmup, progress=not args.no_progress,
-                               profile_steps=args.breakdown)
+                               profile_steps=args.breakdown, compile=args.compile)
         row = {"model": name, "batch": batch, "size": size}
         if args.breakdown:
             row["breakdown"] = variants.pop("breakdown")
