@@ -287,7 +287,7 @@ def time_interleaved(steps, repeats: int, warmup: int, desc: str, progress=True)
 def header(args, allocator: str) -> str:
     backend = "native" if inplace_abn.HAS_NATIVE else "python"
     mode = ("torch.compile (inductor; each variant's first step, which compiles, before the warm-up)"
-            if args.compile else "eager")
+            if getattr(args, "compile", False) else "eager")  # (bench_unet.py's arguments have no --compile)
     return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu_name()}, "
             f"ISA {torch.backends.cpu.get_cpu_capability()}, float32, {mode}, inplace_abn backend={backend}, "
             f"allocator: {allocator}, {args.repeats} repeats after {args.warmup} warm-up steps")

@@ -151,8 +151,7 @@ def _register_fakes():
         return x.new_empty(C, dtype=acc(x)), x.new_empty(C, dtype=acc(x))
 
     def functional_outputs(x, keep_z):  # (y, z) of the functional forwards (src/ops/functional_forward.cpp)
-        if not (x.is_contiguous() or _pure.is_channels_last(x)):
-            x = x.contiguous()
+        x = _pure.walkable(x)
         return torch.empty_like(x), torch.empty_like(x, dtype=acc(x)) if keep_z else x.new_empty(0)
 
     @torch.library.register_fake("inplace_abn::forward_")

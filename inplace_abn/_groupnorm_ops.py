@@ -120,17 +120,12 @@ def gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, sourc
     return mask
 
 
-def _walkable(x):
-    """x where the kernels can walk its layout (contiguous, channels-last), else a contiguous copy."""
-    return x if x.is_contiguous() or _pure.is_channels_last(x) else x.contiguous()
-
-
 def _functional(forward_):
     """The functional twin of a ``forward_`` (gn_forward_ / native_gn_forward_): (y, mask), y a new tensor in
     x's layout. Compiled graphs call it: through forward_ into an empty_like(x) with source=x, inductor copied
     x to the traced (contiguous) layout after its channels-last convolutions (docs/DESIGN.md section 5.1)."""
     def forward(x, mean, var, weight, bias, residual, eps, act, p, signed):
-        x = _walkable(x)
+        x = _pure.walkable(x)
         y = torch.empty_like(x)
         return y, forward_(y, mean, var, weight, bias, residual, eps, act, p, signed, x)
     return forward
@@ -200,7 +195,7 @@ def _native_ok(x, act):
 def native_gn_stats(x, groups):
     if x.numel() == 0:
         return gn_stats(x, groups)
-    return _BN.batch_stats(_walkable(x), None, None, 0.0, groups)
+    return _BN.batch_stats(_pure.walkable(x), None, None, 0.0, groups)
 
 
 def native_gn_forward_(x, mean, var, weight, bias, residual, eps, act, p, signed, source=None):
@@ -243,7 +238,7 @@ def native_gn_backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean
 # ---- registration --------------------------------------------------------------
 
 _lib = torch.library.Library("inplace_abn", "FRAGMENT")
-# gn_stats and gn_forward take x in any layout (`_walkable`): compiled graphs then hand it over in
+# gn_stats and gn_forward take x in any layout (`_pure.walkable`): compiled graphs then hand it over in
 # theirs, without a copy to the traced strides (docs/DESIGN.md section 5.1)
 FLEXIBLE = (torch.Tag.flexible_layout,)
 
@@ -285,7 +280,7 @@ def _register():
 
     @torch.library.register_fake("inplace_abn::gn_forward", lib=_lib)
     def _(x, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight):
-        y = torch.empty_like(_walkable(x))
+        y = torch.empty_like(_pure.walkable(x))
         return y, forward_fake(y, mean, var, weight, bias, residual, eps, activation, activation_param, signed_weight)
 
     @torch.library.register_fake("inplace_abn::gn_backward_reduce", lib=_lib)

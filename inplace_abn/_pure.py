@@ -29,6 +29,17 @@ def is_channels_last(x: torch.Tensor) -> bool:
         memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
 
 
+def can_walk(x: torch.Tensor) -> bool:
+    """Whether the native kernels walk x's memory as it is: contiguous or channels-last."""
+    return x.is_contiguous() or is_channels_last(x)
+
+
+def walkable(x: torch.Tensor) -> torch.Tensor:
+    """x itself where the kernels can walk it, else a contiguous copy (as the native
+    functional forwards do, src/ops/functional_forward.cpp)."""
+    return x if can_walk(x) else x.contiguous()
+
+
 def memory_order(x: torch.Tensor) -> torch.Tensor:
     """A view of ``x`` whose row-major order is x's memory order."""
     if x.is_contiguous():

@@ -18,7 +18,7 @@ WEIGHT_MODES = ("abs", "signed")
 
 def _layout_compatible(x: torch.Tensor) -> torch.Tensor:
     """x itself when the kernels can work on its storage, else None."""
-    return x if x.is_contiguous() or _pure.is_channels_last(x) else None
+    return x if _pure.can_walk(x) else None
 
 
 def _like_layout(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
