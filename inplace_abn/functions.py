@@ -254,7 +254,14 @@ class _InPlaceABNFunction(torch.autograd.Function):
         ops = _backend.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
         C = x.shape[1]
-        local_count = x.numel() // C if C else 0
+        count = x.numel() // C if C else 0  # (synchronised: the group's, below)
+        if training and group is None:
+            check_count(count, x.shape)
+        elif not training:
+            # var is saved for backward: a copy, so that a later update of the running
+            # statistics cannot change it; no backward, no copy
+            mean = running_mean
+            var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()
 
         compiling = torch.compiler.is_compiling()
         if compiling and group is None and ops is _backend.NATIVE:
@@ -263,16 +270,14 @@ class _InPlaceABNFunction(torch.autograd.Function):
             # momentum may be a symbolic float (momentum=None reads num_batches_tracked),
             # which an operator's float argument cannot take: the graph updates the running
             # statistics (the compiler fuses its few element-wise ops).
-            count, keep_z = local_count, not invertible
+            keep_z = not invertible
             if training:
-                check_count(count, x.shape)
                 y, z, mask, mean, var = ops.bn_forward(x, weight, bias, residual, eps, act, activation_param, signed,
                                                        keep_z)
                 update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape, False)
             else:
-                var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()  # (see below)
-                y, z, mask = ops.forward(x, running_mean, var, weight, bias, residual, eps, act, activation_param,
-                                         signed, keep_z)
+                y, z, mask = ops.forward(x, mean, var, weight, bias, residual, eps, act, activation_param, signed,
+                                         keep_z)
             ctx.save_for_backward(y if invertible else z, var, weight, bias, residual, mask)
             ctx.config = (training, eps, act, activation_param, signed, group, count, invertible, x.dtype, backend)
             return y
@@ -281,29 +286,18 @@ class _InPlaceABNFunction(torch.autograd.Function):
         if training and group is None and ops is _backend.NATIVE:
             # the local layer: statistics (with the running-statistics update) and y in one
             # operator call, bn_forward_, as the C++ autograd of eager calls runs it
-            count = local_count
-            check_count(count, x.shape)
-
             def normalise(t, r, z, src):
                 return ops.bn_forward_(t, weight, bias, running_mean, running_var, r, momentum, eps, act,
                                        activation_param, signed, z, src)
         else:
-            if training:
-                count = local_count
-                if group is None and not compiling:  # (the update runs inside batch_stats)
-                    check_count(count, x.shape)
-                    mean, var = ops.batch_stats(work, running_mean, running_var, momentum)
-                else:
-                    mean, var = ops.batch_stats(work)
-                    if group is not None:  # the global count, a device tensor (docs/DESIGN.md section 4)
-                        mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
-                    update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape,
-                                         group is not None)
-            else:
-                # var is saved for backward: a copy, so that a later update of the running
-                # statistics cannot change it; no backward, no copy
-                mean, count = running_mean, local_count
-                var = running_var if isinstance(ctx, _NoGradCtx) else running_var.clone()
+            if training and group is None and not compiling:  # (the update runs inside batch_stats)
+                mean, var = ops.batch_stats(work, running_mean, running_var, momentum)
+            elif training:
+                mean, var = ops.batch_stats(work)
+                if group is not None:  # the global count, a device tensor (docs/DESIGN.md section 4)
+                    mean, var, count = _distributed.reduce_stats(mean, var, count, group, running_mean)
+                update_running_stats(mean, var, count, running_mean, running_var, momentum, x.shape,
+                                     group is not None)
 
             def normalise(t, r, z, src):
                 return ops.forward_(t, mean, var, weight, bias, r, eps, act, activation_param, signed, z,
