@@ -7,7 +7,10 @@ inplace_abn package, plus keyword-only extensions (``residual``,
 """
 from typing import Any, Optional
 
+import warnings
+
 import torch
+import torch.autograd.forward_ad as _fwad
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -178,8 +181,8 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
                   **per_channel):
     """The checks every in-place layer makes, before anything is written:
     input, activation, weight mode, eps, the (C,) tensors ``per_channel`` (unless
-    ``check_channels`` is False: `_check_channels` later), the residual,
-    forward-mode tangents and (``writes_x``) whether x may be overwritten."""
+    ``check_channels`` is False: `_check_channels` later), the residual and
+    (``writes_x``) whether x may be overwritten."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -201,8 +204,6 @@ def _check_common(op, x, residual, eps, activation, activation_param, weight_mod
             )
         if not (on_cpu and residual.is_cpu) and residual.device != x.device:
             raise ValueError(f"{op}: residual is on {residual.device} but the input is on {x.device}")
-    if torch.autograd.forward_ad._current_level >= 0:  # a dual level is entered: tangents possible
-        _check_no_tangents(x=x, residual=residual, **per_channel)
     requires_grad = x.requires_grad or (residual is not None and residual.requires_grad)
     for t in per_channel.values():
         requires_grad = requires_grad or (t is not None and t.requires_grad)
@@ -426,7 +427,9 @@ def _check_writable(x, residual, requires_grad):
             "inplace_abn overwrites its input, but several elements of x share one memory location "
             "(an expand()ed or stride-0 tensor); pass x.contiguous() or x.clone()"
         )
-    if residual is not None and _shares_memory(x, residual):
+    # (functorch's wrapped tensors have no storage to compare; under a transform the layer
+    # computes from a copy of x, `_stock_call`, so that the write spoils no residual)
+    if residual is not None and not torch._C._are_functorch_transforms_active() and _shares_memory(x, residual):
         # Copying the residual would cost the memory the layer exists to save,
         # silently; refusing keeps that choice with the caller.
         raise RuntimeError(_RESIDUAL_SHARES_MEMORY)
@@ -486,16 +489,45 @@ def _shares_memory(a, b):
     return bool(torch.isin(_element_addresses(a, base), _element_addresses(b, base)).any())
 
 
-def _check_no_tangents(**tensors):
-    """Forward-mode AD (torch.autograd.forward_ad) is not supported: refuse any dual tensor."""
-    if torch.autograd.forward_ad._current_level < 0:  # no dual level entered: no tangents anywhere
-        return
-    for name, t in tensors.items():
-        if t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
-            raise RuntimeError(
-                f"inplace_abn does not support forward-mode AD (torch.autograd.forward_ad): {name} carries a "
-                "tangent, which the in-place write would leave stale. Use the non-in-place ABN layer"
-            )
+def _stock_autodiff(*tensors) -> bool:
+    """Whether a layer call must run stock operators (`_stock_call`): under a torch.func
+    transform (grad, vmap, jacrev, jvp, ...), whose wrapped tensors the in-place
+    operators and their once-differentiable backward cannot serve, or when one of
+    ``tensors`` carries a forward-mode AD tangent (torch.autograd.forward_ad), which
+    the backward from y alone cannot give. Not while torch.compile traces (it
+    traces neither). Cheap when neither applies: two C calls (small layers)."""
+    if torch._C._are_functorch_transforms_active():
+        return not torch.compiler.is_compiling()
+    if _fwad._current_level < 0:  # no dual level entered: no tangents anywhere
+        return False
+    return not torch.compiler.is_compiling() and any(
+        t is not None and _fwad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+_warned_stock_autodiff = False
+
+
+def _stock_call(x, preserve_input, standard_ops):
+    """The layer with stock operators under torch.func transforms and forward-mode AD
+    (`_stock_autodiff`), keeping the layer's contract: y written into x and x returned
+    (a new tensor with ``preserve_input``). ``standard_ops(src)`` computes y from src, a
+    copy of x unless ``preserve_input``: the stock backward keeps its input, which
+    the write into x must not change. Saves no memory (warned once per process)."""
+    global _warned_stock_autodiff
+    if not _warned_stock_autodiff:
+        _warned_stock_autodiff = True
+        warnings.warn(
+            "inplace_abn: under a torch.func transform or forward-mode AD the in-place layers run stock "
+            "normalisation + activation (correct derivatives, no memory saved)", RuntimeWarning, stacklevel=4)
+    if preserve_input:
+        return standard_ops(x)
+    y = standard_ops(x.clone())
+    try:
+        return x.copy_(y)
+    except RuntimeError as e:  # vmap over the parameters, not x (ensembles): y is batched, x is not
+        raise RuntimeError(
+            "inplace_abn: the output cannot be written into x under this torch.func transform (vmap over "
+            "weights or statistics but not x?); pass preserve_input=True for the output in a new tensor") from e
 
 
 def _standard_ops(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
@@ -525,8 +557,13 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
     try:
         _check_args(x, weight, bias, running_mean, running_var, residual, training, eps, activation,
                     activation_param, weight_mode, writes_x=not preserve_input)
+        stock = _stock_autodiff(x, residual, weight, bias, running_mean, running_var)
+        if stock and group is not None:
+            raise RuntimeError(
+                "inplace_abn_sync does not support torch.func transforms or forward-mode AD (a tensor carries a "
+                "tangent); use the synchronised layer in plain eager or compiled code")
         # the C++ layers: out of place, or in place with a backward to record; eager, native backend
-        native = group is None and not exporting and (
+        native = group is None and not exporting and not stock and (
             _native_eager(x) if preserve_input else _native_autograd(x, (x, weight, bias, residual)))
         if not native:
             _check_layer_channels(x, weight, bias, running_mean, running_var)
@@ -540,6 +577,11 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
                           0.0 if momentum is None else float(momentum), float(eps), activation,
                           float(activation_param), residual, weight_mode)
         return count_batch(y, counter)
+    if stock:  # (counted first, as torch.nn.BatchNorm: a transform that refuses the count writes nothing)
+        count_batch(None, counter)
+        return _stock_call(x, preserve_input, lambda src: _standard_ops(
+            src, weight, bias, running_mean, running_var, bool(training), 0.0 if momentum is None else float(momentum),
+            float(eps), activation, float(activation_param), residual, weight_mode))
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
     momentum = 0.0 if momentum is None else float(momentum)
@@ -695,11 +737,14 @@ def inplace_abn(
     would not let an in-place op modify (a leaf or a view of a leaf that
     requires grad, a view from split/unbind or made under no_grad, an
     inference tensor outside inference mode), an x whose elements share
-    memory (expand()), a residual sharing memory with x, and any tensor
-    carrying a forward-mode AD tangent (only the last with ``preserve_input``,
-    which writes nothing to x). The backward raises under
-    ``create_graph=True``: it is not differentiable (use `ABN` for double
-    backward, e.g. gradient penalties).
+    memory (expand()) and a residual sharing memory with x (none of these
+    with ``preserve_input``, which writes nothing to x). The backward raises
+    under ``create_graph=True``: it is not differentiable (use `ABN` for
+    double backward, e.g. gradient penalties).
+
+    Under torch.func transforms (grad, vmap, jacrev, jvp, ...) and with
+    forward-mode AD tangents, it computes y with stock operators, saving no
+    memory (warned once), and still writes it into x.
     """
     return _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
                   activation_param, residual, weight_mode, None, preserve_input=preserve_input)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from . import _activation, _backend, _groupnorm_ops
 from .functions import (WEIGHT_MODES, _activation_code, _check_channels, _check_common, _like_layout,
                         _native_autograd, _native_eager, _out_of_place, _output_grad, _output_tensor, _param_grads,
-                        _prepare, _refuse_double_backward, _result, _run, _write, module_affine)
+                        _prepare, _refuse_double_backward, _result, _run, _stock_autodiff, _stock_call, _write,
+                        module_affine)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -171,9 +172,10 @@ def inplace_agn(
     Raises, before anything is written, as `inplace_abn` does: for an x that
     autograd would not let an in-place op modify, an x whose elements share
     memory, a residual sharing memory with x (none of these with
-    ``preserve_input``), tensors carrying forward-mode tangents, and C not
-    divisible by num_groups. The backward raises under ``create_graph=True``
-    (use `AGN` for double backward).
+    ``preserve_input``), and C not divisible by num_groups. The backward
+    raises under ``create_graph=True`` (use `AGN` for double backward).
+    Under torch.func transforms and forward-mode AD it runs stock operators,
+    as `inplace_abn` does.
     """
     _check_groups(x, num_groups)
     # weight and bias: on the native paths forward_ checks them before writing anything
@@ -186,6 +188,10 @@ def inplace_agn(
         _check_channels("inplace_agn", x, per_channel)
         return _standard_ops(x, num_groups, weight, bias, float(eps), activation, float(activation_param), residual,
                              weight_mode)
+    if _stock_autodiff(x, residual, weight, bias):  # torch.func, forward-mode AD
+        _check_channels("inplace_agn", x, per_channel)
+        return _stock_call(x, preserve_input, lambda src: _standard_ops(
+            src, num_groups, weight, bias, float(eps), activation, float(activation_param), residual, weight_mode))
     invertible, act = _activation_code(activation, activation_param)
     preserve_input = _out_of_place(preserve_input)
     native = None

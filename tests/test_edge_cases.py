@@ -3,6 +3,7 @@ writes anything (issue 11): double backward, aliasing residuals, views that
 autograd refuses to see modified, state left untouched by refused inputs,
 forward-mode AD, empty batches, state-dict loading and factory kwargs."""
 from collections import OrderedDict
+import warnings
 
 import pytest
 import torch
@@ -218,19 +219,66 @@ def test_refused_input_leaves_state_untouched(backend, case, momentum):
 
 @pytest.mark.parametrize("dual", ["x", "weight", "bias", "residual", "running_mean", "running_var"])
 @pytest.mark.parametrize("training", [True, False])
-def test_forward_ad_is_refused(backend, dual, training):
-    """The in-place write leaves x's old tangent (silently wrong on the native
-    backend): any tangent must raise, and x must stay as it was."""
+@pytest.mark.parametrize("preserve_input", [False, True])
+def test_forward_ad_runs_stock_operators(backend, dual, training, preserve_input):
+    """A tangent on any input: the backward from y alone has no forward mode, so the
+    layer computes y with stock operators. The output and its tangent are those of
+    float64 BatchNorm + activation under forward AD, the running statistics move as
+    theirs, and y is written into x (returned) unless preserve_input."""
     torch.manual_seed(0)
-    t = dict(x=torch.randn(4, 3, 5), weight=torch.rand(3) + 0.5, bias=torch.randn(3), residual=torch.randn(4, 3, 5),
-             running_mean=torch.randn(3), running_var=torch.rand(3) + 0.5)
+    t = dict(x=torch.randn(4, 3, 5, dtype=torch.float64), weight=torch.rand(3, dtype=torch.float64) - 0.5,
+             bias=torch.randn(3, dtype=torch.float64), residual=torch.randn(4, 3, 5, dtype=torch.float64),
+             running_mean=torch.randn(3, dtype=torch.float64), running_var=torch.rand(3, dtype=torch.float64) + 0.5)
+    tangent = torch.randn_like(t[dual])
     with fwAD.dual_level():
-        t[dual] = fwAD.make_dual(t[dual], torch.randn_like(t[dual]))
-        saved = fwAD.unpack_dual(t["x"]).primal.clone()
-        with pytest.raises(RuntimeError, match="forward-mode AD.*" + dual):
-            inplace_abn(t["x"], t["weight"], t["bias"], t["running_mean"], t["running_var"], training, 0.1, 1e-5,
-                        "silu", 0.0, residual=t["residual"])
-        assert torch.equal(fwAD.unpack_dual(t["x"]).primal, saved)
+        ours = {k: fwAD.make_dual(v, tangent) if k == dual else v for k, v in t.items()}
+        theirs = {k: fwAD.make_dual(v.clone(), tangent) if k == dual else v.clone() for k, v in t.items()}
+        x = ours["x"] * 1  # (a new tensor, whatever carries the tangent)
+        x_before = x.clone()
+        out = inplace_abn(x, ours["weight"], ours["bias"], ours["running_mean"], ours["running_var"], training, 0.1,
+                          1e-5, "silu", 0.0, residual=ours["residual"], weight_mode="signed",
+                          preserve_input=preserve_input)
+        y, ty = fwAD.unpack_dual(out)
+        ref = stock(theirs["x"], theirs["weight"], theirs["bias"], theirs["running_mean"], theirs["running_var"],
+                    training, 0.1, 1e-5, "silu", 0.0, "signed", theirs["residual"])
+        ry, rty = fwAD.unpack_dual(ref)
+        assert (out is x) != preserve_input
+        if preserve_input:
+            assert torch.equal(fwAD.unpack_dual(x).primal, fwAD.unpack_dual(x_before).primal)
+        assert rel_err(y, ry) < 1e-14
+        # (torch's batch_norm takes the running statistics as constants: their tangents reach no output)
+        assert ty is None if rty is None else rel_err(ty, rty) < 1e-14
+        assert (rty is None) == (dual in ("running_mean", "running_var"))
+        for k in ("running_mean", "running_var"):
+            assert rel_err(fwAD.unpack_dual(ours[k]).primal, fwAD.unpack_dual(theirs[k]).primal) < 1e-14, k
+
+
+def test_forward_ad_warns_once_that_it_saves_nothing(monkeypatch):
+    from inplace_abn import functions
+
+    monkeypatch.setattr(functions, "_warned_stock_autodiff", False)
+    layer = InPlaceABN(3)
+    with fwAD.dual_level():
+        x = fwAD.make_dual(torch.randn(4, 3, 5), torch.randn(4, 3, 5))
+        with pytest.warns(RuntimeWarning, match="no memory saved"):
+            layer(x * 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            layer(x * 1)
+
+
+def test_forward_ad_is_refused_by_the_synchronised_layer(backend, world_of_one):
+    """The synchronised layer has no stock counterpart here: a tangent raises, before
+    anything is written."""
+    layer = InPlaceABNSync(3)
+    before = _layer_state(layer)
+    with fwAD.dual_level():
+        x = fwAD.make_dual(torch.randn(4, 3, 5), torch.randn(4, 3, 5)) * 1
+        saved = fwAD.unpack_dual(x).primal.clone()
+        with pytest.raises(RuntimeError, match="inplace_abn_sync does not support.*forward-mode AD"):
+            layer(x)
+        assert torch.equal(fwAD.unpack_dual(x).primal, saved)
+    _assert_same_state(before, layer)
 
 
 def test_plain_tensors_inside_a_dual_level_still_work(backend):

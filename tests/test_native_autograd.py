@@ -153,20 +153,6 @@ def test_cpp_path_version_counter():
     z.sum().backward()
 
 
-def test_functorch_transforms_raise():
-    """torch.func transforms cannot see through the C++ autograd Function: they raise,
-    never return a wrong gradient."""
-    w, b = torch.rand(4) + 0.5, torch.randn(4)
-
-    def f(x):
-        return functions.inplace_abn(x * 1, w, b, None, None, True, 0.1, 1e-5, "leaky_relu", 0.1).sum()
-
-    with pytest.raises(RuntimeError, match="functorch transforms"):
-        torch.func.grad(f)(torch.randn(3, 4, 5))
-    with pytest.raises(RuntimeError, match="inplace_abn"):
-        torch.vmap(f)(torch.randn(2, 3, 4, 5))
-
-
 @pytest.mark.parametrize("activation,p", [("identity", 0.0), ("leaky_relu", 0.1), ("elu", 0.8), ("silu", 0.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,groups,fmt", [
