@@ -167,3 +167,13 @@ def test_residual_under_transforms(kind):
     g = torch.func.grad(lambda a: (lambda u: layer(u, u[:]).pow(2).sum())(a * 1))(x[0])
     g_ref = torch.func.grad(lambda a: ref(a, a).pow(2).sum())(x[0])
     assert rel_err(g, g_ref) < 1e-13
+
+
+@pytest.mark.parametrize("kind,training", [("bn", True), ("gn", True)], ids=["bn_train", "gn"])
+def test_second_derivatives_under_transforms(kind, training):
+    """torch.func.hessian: the transforms' path is differentiable twice (plain eager
+    double backward stays refused, test_edge_cases.py)."""
+    layer, ref = _layer(kind, "elu", 0.7, training)
+    x = torch.randn(2, 6, 2, 1, dtype=torch.float64)
+    h = torch.func.hessian(lambda a: layer(a * 1).pow(3).sum())(x)
+    assert rel_err(h, torch.func.hessian(lambda a: ref(a).pow(3).sum())(x)) < 1e-13
