@@ -571,20 +571,19 @@ def _apply(x, weight, bias, running_mean, running_var, training, momentum, eps, 
         if group is not None:  # the other ranks wait in this call's all_reduce: they must fail with us
             _distributed.refuse_together(group, x, weight, running_mean)
         raise
-    if exporting:
-        # Export: stock operators, the output is a new tensor (x is not overwritten).
-        y = _standard_ops(x, weight, bias, running_mean, running_var, bool(training),
-                          0.0 if momentum is None else float(momentum), float(eps), activation,
-                          float(activation_param), residual, weight_mode)
-        return count_batch(y, counter)
-    if stock:  # (counted first, as torch.nn.BatchNorm: a transform that refuses the count writes nothing)
+    momentum = 0.0 if momentum is None else float(momentum)
+    if exporting or stock:
+        def standard(src):
+            return _standard_ops(src, weight, bias, running_mean, running_var, bool(training), momentum, float(eps),
+                                 activation, float(activation_param), residual, weight_mode)
+
+        if exporting:  # stock operators, the output is a new tensor (x is not overwritten)
+            return count_batch(standard(x), counter)
+        # (counted first, as torch.nn.BatchNorm: a transform that refuses the count writes nothing)
         count_batch(None, counter)
-        return _stock_call(x, preserve_input, lambda src: _standard_ops(
-            src, weight, bias, running_mean, running_var, bool(training), 0.0 if momentum is None else float(momentum),
-            float(eps), activation, float(activation_param), residual, weight_mode))
+        return _stock_call(x, preserve_input, standard)
     if not _activation.is_invertible(activation, activation_param):
         _activation.warn_not_invertible(activation, activation_param)
-    momentum = 0.0 if momentum is None else float(momentum)
     preserve_input = _out_of_place(preserve_input)
     args = (x, weight, bias, running_mean, running_var, residual, bool(training), momentum, float(eps), activation,
             float(activation_param), weight_mode == "signed", group, preserve_input)

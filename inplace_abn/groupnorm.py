@@ -31,22 +31,21 @@ class _InPlaceAGNFunction(torch.autograd.Function):
         backend = _backend.current()  # the backward uses the same, in whatever thread it runs
         ops = _groupnorm_ops.ops_for(x, backend)
         invertible, act = _activation_code(activation, activation_param)
-        if invertible and torch.compiler.is_compiling():
+        compiled = invertible and torch.compiler.is_compiling()
+        if compiled:
             # A compiled graph: the functional gn_forward, y in a new tensor in the layout
             # the graph gives x, no copy to the traced strides (docs/DESIGN.md section 5.1)
             mean, var = ops.gn_stats(x, groups)
-            y, mask = ops.gn_forward(x, mean, var, weight, bias, residual, eps, act, activation_param, signed)
-            ctx.save_for_backward(y, var, weight, bias, residual, mask)
-            ctx.config = (eps, act, activation_param, signed, invertible, x.dtype, backend)
-            return y
-        work, residual = _prepare(x, residual)
-        mean, var = ops.gn_stats(work, groups)
-        out = _output_tensor(x, work, preserve)
-        saved_y, mask = _write(x, work, residual, invertible, lambda t, r, src: ops.gn_forward_(
-            t, mean, var, weight, bias, r, eps, act, activation_param, signed, source=src), out=out)
+            saved_y, mask = ops.gn_forward(x, mean, var, weight, bias, residual, eps, act, activation_param, signed)
+        else:
+            work, residual = _prepare(x, residual)
+            mean, var = ops.gn_stats(work, groups)
+            out = _output_tensor(x, work, preserve)
+            saved_y, mask = _write(x, work, residual, invertible, lambda t, r, src: ops.gn_forward_(
+                t, mean, var, weight, bias, r, eps, act, activation_param, signed, source=src), out=out)
         ctx.save_for_backward(saved_y, var, weight, bias, residual, mask)
         ctx.config = (eps, act, activation_param, signed, invertible, x.dtype, backend)
-        return _result(ctx, x, out)
+        return saved_y if compiled else _result(ctx, x, out)
 
     @staticmethod
     def backward(ctx, dy):
@@ -184,14 +183,15 @@ def inplace_agn(
     _check_common("inplace_agn", x, residual, eps, activation, activation_param, weight_mode, check_channels=False,
                   weight=weight, bias=bias, writes_x=not preserve_input)
     per_channel = dict(weight=weight, bias=bias)
-    if torch.compiler.is_exporting() or torch.jit.is_tracing():
+    exporting = torch.compiler.is_exporting() or torch.jit.is_tracing()
+    if exporting or _stock_autodiff(x, residual, weight, bias):  # stock operators (torch.func, forward AD too)
         _check_channels("inplace_agn", x, per_channel)
-        return _standard_ops(x, num_groups, weight, bias, float(eps), activation, float(activation_param), residual,
-                             weight_mode)
-    if _stock_autodiff(x, residual, weight, bias):  # torch.func, forward-mode AD
-        _check_channels("inplace_agn", x, per_channel)
-        return _stock_call(x, preserve_input, lambda src: _standard_ops(
-            src, num_groups, weight, bias, float(eps), activation, float(activation_param), residual, weight_mode))
+
+        def standard(src):
+            return _standard_ops(src, num_groups, weight, bias, float(eps), activation, float(activation_param),
+                                 residual, weight_mode)
+
+        return standard(x) if exporting else _stock_call(x, preserve_input, standard)
     invertible, act = _activation_code(activation, activation_param)
     preserve_input = _out_of_place(preserve_input)
     native = None
