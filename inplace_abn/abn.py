@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation
-from .functions import WEIGHT_MODES, _apply, count_batch, inplace_abn_sync, module_affine
+from .functions import WEIGHT_MODES, _apply, count_batch, inplace_abn_sync, module_affine, refuse_torchscript
 
 
 class ABN(nn.Module):
@@ -33,6 +33,7 @@ class ABN(nn.Module):
     """
 
     _version = 2
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(
         self,

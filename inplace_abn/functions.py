@@ -614,6 +614,17 @@ def module_affine(module):
     return weight, bias
 
 
+def refuse_torchscript(layer):
+    """``__prepare_scriptable__`` of every layer module: torch.jit.script cannot
+    compile the layers (Python-side dispatch, autograd Functions) and would
+    otherwise fail with a TorchScript parse error of our source. PyTorch
+    deprecates torch.jit.script; the three ways that do work are named."""
+    raise RuntimeError(
+        f"{type(layer).__name__} cannot be compiled by torch.jit.script (deprecated by PyTorch): use torch.jit.trace, "
+        "torch.export or torch.compile, which run the layer with stock operators or the native ones "
+        "(README, 'torch.compile, export, deployment')")
+
+
 def count_batch(y, counter):
     """y, once ``counter`` (a module's num_batches_tracked, or None) has counted the batch."""
     if counter is not None:

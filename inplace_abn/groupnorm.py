@@ -20,7 +20,7 @@ from . import _activation, _backend, _groupnorm_ops
 from .functions import (WEIGHT_MODES, _activation_code, _check_channels, _check_common, _like_layout,
                         _native_autograd, _native_eager, _out_of_place, _output_grad, _output_tensor, _param_grads,
                         _prepare, _refuse_double_backward, _result, _run, _stock_autodiff, _stock_call, _write,
-                        module_affine)
+                        module_affine, refuse_torchscript)
 
 
 class _InPlaceAGNFunction(torch.autograd.Function):
@@ -236,6 +236,8 @@ class AGN(nn.Module):
         device, dtype (keyword only): where and in which dtype the parameters
             are created.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  activation: str = "silu", activation_param: float = 0.01, *, device=None, dtype=None):

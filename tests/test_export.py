@@ -209,3 +209,52 @@ def test_onnx_legacy_export_runs_in_onnxruntime():
         warnings.simplefilter("ignore")  # TracerWarnings of the argument checks, deprecation notice
         torch.onnx.export(model, (x,), f, dynamo=False)
     _check_onnx(f.getvalue(), x, ref, ort, onnx)
+
+
+def test_jit_trace_records_stock_operators():
+    """torch.jit.trace: the traced graph holds no inplace_abn operator, gives the eager outputs in eval, and in
+    training the eager outputs, gradients and running statistics (x not overwritten by the traced program)."""
+    model = _model()
+    x = torch.randn(2, 3, 7, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings of the argument checks
+        traced = torch.jit.trace(model, x.clone())
+    assert "inplace_abn::" not in str(traced.inlined_graph)  # (module types are named inplace_abn.abn...)
+    assert rel_err(traced(x.clone()), model(x.clone())) < 1e-6
+
+    train, eager = _model().train(), _model().train()
+    train.a2 = InPlaceABN(6, activation="silu")  # the sync layer refuses to trace in training without a group
+    eager.a2 = copy.deepcopy(train.a2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(copy.deepcopy(train), x.clone(), check_trace=False)
+    with torch.no_grad():
+        eager(x.clone())  # as tracing did: it ran the model once, in training
+    xt, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yt, ye = traced(xt * 1), eager(xe * 1)
+    g = torch.randn_like(ye)
+    yt.backward(g)
+    ye.backward(g)
+    assert rel_err(yt, ye) < 1e-5 and rel_err(xt.grad, xe.grad) < 1e-4
+    state, ref = traced.state_dict(), eager.state_dict()
+    assert ref.keys() == state.keys()
+    assert rel_err(state["body.1.running_var"], ref["body.1.running_var"]) < 1e-6
+    assert int(state["a0.num_batches_tracked"]) == int(ref["a0.num_batches_tracked"]) == 2
+
+
+@pytest.mark.parametrize("layer", ["ABN", "InPlaceABN", "InPlaceABNSync", "ABNSync", "AGN", "InPlaceAGN"])
+def test_jit_script_refuses_with_a_clear_error(layer):
+    """torch.jit.script (deprecated by PyTorch) cannot compile the layers: it raises naming the layer and the
+    alternatives, before it changes the model (it replaces submodules by their __prepare_scriptable__ result)."""
+    import inplace_abn
+    from inplace_abn.sync import ABNSync
+    make = {"ABN": lambda: ABN(4), "InPlaceABN": lambda: InPlaceABN(4), "InPlaceABNSync": lambda: InPlaceABNSync(4),
+            "ABNSync": lambda: ABNSync(4), "AGN": lambda: inplace_abn.AGN(2, 4),
+            "InPlaceAGN": lambda: inplace_abn.InPlaceAGN(2, 4)}[layer]
+    norm = make()
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the deprecation notice
+        with pytest.raises(RuntimeError, match=f"{layer} cannot be compiled by torch.jit.script.*torch.jit.trace"):
+            torch.jit.script(model)
+    assert model[1] is norm
