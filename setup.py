@@ -143,7 +143,7 @@ setup(
     packages=find_packages(include=["inplace_abn", "inplace_abn.*"]),
     install_requires=["torch>=2.4"],
     extras_require={
-        "test": ["pytest", "numpy", "torchvision", "diffusers"],
+        "test": ["pytest", "numpy", "torchvision", "diffusers", "timm"],
         "examples": ["torchvision", "tqdm", "matplotlib", "diffusers"],
     },
     ext_modules=_extensions(),

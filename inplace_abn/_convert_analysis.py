@@ -6,6 +6,7 @@ import copy
 import inspect
 import operator
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -23,6 +24,32 @@ from .memory import _storage_key
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 NORM_TYPES = BN_TYPES + (nn.GroupNorm,)  # the plain modules convert_model replaces
 LAYER_TYPES = (ABN, AGN)  # this package's layers: never traced into or converted again
+
+
+# Other libraries' modules that are a plain norm followed by ``self.drop`` and ``self.act`` (timm's
+# norm + activation layers: their forward is the norm's, then drop, then act). Known by class, not
+# imported: convert_model converts them as the norm + activation pair they are.
+NORM_ACT_TYPES = frozenset(f"timm.layers.norm_act.{c}" for c in (
+    "BatchNormAct2d", "SyncBatchNormAct", "GroupNormAct", "GroupNorm1Act"))
+
+
+def norm_act_parts(m: nn.Module) -> Optional[Tuple[nn.Module, nn.Module]]:
+    """(drop, act) of a known norm + activation module (`NORM_ACT_TYPES`), else None."""
+    cls = type(m)
+    if f"{cls.__module__}.{cls.__qualname__}" not in NORM_ACT_TYPES:
+        return None
+    drop, act = getattr(m, "drop", nn.Identity()), getattr(m, "act", nn.Identity())
+    return (drop, act) if isinstance(drop, nn.Module) and isinstance(act, nn.Module) else None
+
+
+def own_activation(m: nn.Module) -> Optional[Tuple[str, Any, str]]:
+    """(activation, param, description) that a known norm + activation module applies
+    itself (ReLU reported as "relu"); None for a plain norm or an identity ``act``."""
+    parts = norm_act_parts(m)
+    if parts is None or type(parts[1]) is nn.Identity:
+        return None
+    found = module_activation(parts[1])
+    return None if found is None else (found[0], found[1], f"{found[2]} ({type(m).__name__}.act)")
 
 
 def is_norm(m: nn.Module) -> bool:
@@ -332,14 +359,35 @@ def has_norm(m: nn.Module, skip: frozenset = frozenset()) -> bool:
     return is_norm(m) or any(has_norm(c, skip) for c in m.children())
 
 
+def _timm_notrace() -> Tuple[tuple, tuple]:
+    """(modules, functions) that timm registers as not to be traced into (its own fx
+    feature extraction's leaves: e.g. the dynamic padding of its "same" convolutions),
+    when timm is loaded; a model holding its modules implies it."""
+    registry = sys.modules.get("timm.layers._fx")
+    if registry is None:
+        return (), ()
+    try:
+        modules, functions = registry.get_notrace_modules(), registry.get_notrace_functions()
+    except AttributeError:  # another timm layout: its models may then need a tracer of their own
+        return (), ()
+    return tuple(m for m in modules if isinstance(m, type)), tuple(f for f in functions if callable(f))
+
+
 class _Tracer(fx.Tracer):
-    """fx's default tracer, plus leaves: the package's own layers, and modules
+    """fx's default tracer, plus leaves: the package's own layers, modules
     whose forward reads ``self.training`` (tracing into them would freeze the
     mode they were traced in, e.g. torchvision's StochasticDepth would keep
-    dropping paths in eval mode; one holding norms is converted on its own)."""
+    dropping paths in eval mode; one holding norms is converted on its own),
+    known norm + activation modules (`NORM_ACT_TYPES`), and timm's registered
+    leaves and functions."""
+
+    def __init__(self):
+        self._notrace_modules, functions = _timm_notrace()
+        super().__init__(autowrap_functions=functions)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, LAYER_TYPES) or super().is_leaf_module(m, qualname) or _reads_training(type(m))
+        return (isinstance(m, LAYER_TYPES) or super().is_leaf_module(m, qualname) or _reads_training(type(m))
+                or norm_act_parts(m) is not None or isinstance(m, self._notrace_modules))
 
 
 def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args) -> Tuple[fx.Graph, nn.Module, bool]:
@@ -360,6 +408,21 @@ def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args) -> Tuple
         for m, t in modes.items():
             m.training = t
     return graph, root, differs
+
+
+def drop_identities(gm: fx.GraphModule) -> None:
+    """Remove from ``gm``'s graph the calls of plain ``nn.Identity`` modules applied to a norm's
+    output (their readers read the norm's output): placeholders such as timm's ``drop_path`` /
+    ``drop_block`` at rate 0 would otherwise stand between the norm and the add or activation it
+    fuses. Other identities stay (a head set to ``nn.Identity()`` may be replaced later)."""
+    def is_norm_call(n) -> bool:
+        return isinstance(n, fx.Node) and n.op == "call_module" and is_norm(gm.get_submodule(n.target))
+
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Identity
+                and len(node.args) == 1 and not node.kwargs and is_norm_call(node.args[0])):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
 
 
 def set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
@@ -391,8 +454,16 @@ class Candidate:
 def module_problem(bn: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int]) -> Optional[str]:
     """Why the module called by ``bn`` (a call_module of a norm) cannot be replaced, or None."""
     module = modules[bn.target]
-    if type(module) not in NORM_TYPES:
+    parts = norm_act_parts(module)
+    if type(module) not in NORM_TYPES and parts is None:
         return f"{type(module).__name__} is not a plain {'GroupNorm' if norm_kind(module) == 'gn' else 'BatchNorm'}"
+    if parts is not None:
+        drop, act = parts
+        if type(drop) is not nn.Identity:
+            return f"{type(module).__name__} applies {type(drop).__name__} between the norm and its activation"
+        if type(act) is not nn.Identity and module_activation(act) is None:
+            return (f"the activation of {type(module).__name__}, {type(act).__name__}, is not supported "
+                    "(identity, ReLU, LeakyReLU, ELU, SiLU)")
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
         return "lazy module not initialised yet"
     if calls[bn.target] > 1:
@@ -410,6 +481,13 @@ def find_candidates(bn: fx.Node, modules, relu_to, residual: bool, standalone: b
     """The patterns that fit around ``bn`` (a norm call), best first, and notes on why better ones do not."""
     kind = norm_kind(modules[bn.target])
     notes: List[str] = []
+    own = own_activation(modules[bn.target])
+    if own is not None:  # a norm + activation module: its output is activated already, nothing else fuses
+        act = map_relu(own, relu_to)
+        problem = act_problem(act[0], act[1])
+        if problem:
+            return [], [f"activation {act[2]}: {problem}"]
+        return [Candidate(f"{kind}+act", act[0], act[1], act[2])], notes
     users = list(bn.users)
     found: List[Candidate] = []
     if len(users) != 1:

@@ -37,7 +37,12 @@ overwrites its input ``x`` when that is safe:
 - the layer's output (and ``r``) is not modified in place later (autograd
   would refuse the backward);
 - the BatchNorm module is called once and is a plain ``nn.BatchNorm1d/2d/3d``,
-  ``nn.SyncBatchNorm`` or ``nn.GroupNorm`` with initialised parameters.
+  ``nn.SyncBatchNorm`` or ``nn.GroupNorm`` with initialised parameters, or one
+  of timm's norm + activation modules (``BatchNormAct2d``, ``SyncBatchNormAct``,
+  ``GroupNormAct``, ``GroupNorm1Act``) whose ``drop`` is an identity and whose
+  ``act`` an identity or one of the activations above: it becomes one layer
+  with that activation (``bn+act``), or, with an identity ``act``, takes the
+  patterns above.
 
 With ``example_inputs`` these rules are not taken from operator tables but
 observed: the graph runs on the inputs (on a copy, in training and in eval
@@ -89,7 +94,11 @@ weight crossing zero makes g~ jump by 2 eps).
 Tracing. The default tracer keeps ``torch.nn`` modules and this package's
 layers as leaves, and also any module whose ``forward`` reads
 ``self.training`` (torchvision's ``StochasticDepth``): tracing into it would
-freeze the mode it was traced in. Such a leaf that holds BatchNorms, like any
+freeze the mode it was traced in; timm's norm + activation modules, and, when
+timm is loaded, the modules and functions timm registers as not to be traced
+(its "same"-padding convolutions). Calls of plain ``nn.Identity`` modules on
+a norm's output (timm's ``drop_path`` at rate 0) are removed from the traced
+graph, so they do not stand between the norm and what it fuses. Such a leaf that holds BatchNorms, like any
 leaf of a custom ``tracer`` that does, is converted on its own. A module whose
 traced graph still depends on the mode (the model's own ``forward`` reading
 ``self.training``, e.g. torchvision's Inception3), or a submodule that
@@ -361,6 +370,7 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
             key = id(root.get_submodule(n.target))
             job.calls[key] = job.calls.get(key, 0) + 1
     gm = fx.GraphModule(root, graph, module.__class__.__name__)
+    analysis.drop_identities(gm)
     # GraphModule rebuilds the module tree above the leaves as plain Modules: keep their modes.
     for name, m in gm.named_modules():
         try:

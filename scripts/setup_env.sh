@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up on a fresh machine: a virtualenv (.venv, or $VENV) with torch 2.14.1,
-# torchvision 0.29.1 and the build/test/example tools (diffusers: tests and
-# examples only, never imported by inplace_abn itself), then inplace_abn built
+# torchvision 0.29.1 and the build/test/example tools (diffusers and timm: tests
+# and examples only, never imported by inplace_abn itself), then inplace_abn built
 # in place (editable). The CUDA sources are compiled whenever nvcc is found,
 # even without a GPU, so a CUDA compile error fails here.
 set -euo pipefail
@@ -20,7 +20,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install --quiet torch==2.14.1 torchvision==0.29.1 ninja setuptools wheel pytest numpy tqdm matplotlib \
-  onnx onnxruntime onnxscript diffusers==0.42.1
+  onnx onnxruntime onnxscript diffusers==0.42.1 timm==1.0.31
 
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
