@@ -42,9 +42,14 @@ MiB = 2.0**20
 
 
 def build(name):
+    """A torchvision model by name, or a timm model as ``timm:NAME`` (random weights)."""
+    torch.manual_seed(0)
+    if name.startswith("timm:"):
+        import timm
+
+        return timm.create_model(name[len("timm:"):], pretrained=False)
     import torchvision
 
-    torch.manual_seed(0)
     if name.startswith(("deeplabv3", "fcn")):
         return getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None)
     return getattr(torchvision.models, name)(weights=None)
@@ -119,7 +124,8 @@ def cuda_largest_batch(model, res, start=8, cap=4096):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=list(MODELS), help="torchvision model names")
+    p.add_argument("--models", nargs="+", default=list(MODELS),
+                   help="torchvision model names, or timm:NAME for a timm model")
     p.add_argument("--res", type=int, default=224, help="input height and width (default 224)")
     p.add_argument("--batch", type=int, default=2, help="batch at which saved bytes are measured (default 2)")
     p.add_argument("--quick", action="store_true", help="64x64 inputs, constant part not measured (for tests)")
@@ -165,12 +171,12 @@ def main(argv=None):
     backend = "native" if inplace_abn.HAS_NATIVE and inplace_abn._backend.current() != "python" else "python"
     print(f"Activation bytes saved for backward, training-mode forward, batch {args.batch}, {res}x{res}, "
           f"float32 (backend: {backend}; torch {torch.__version__})")
-    head = f"{'model':<20} {'stock bytes':>14} {'converted bytes':>16} {'ratio':>7}   {'stock MiB/img':>13} " \
+    head = f"{'model':<26} {'stock bytes':>14} {'converted bytes':>16} {'ratio':>7}   {'stock MiB/img':>13} " \
            f"{'conv MiB/img':>12}   {'pairs-only ratio':>16}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['name']:<20} {r['stock']:>14,d} {r['ours']:>16,d} {r['ours'] / r['stock']:>7.3f}   "
+        print(f"{r['name']:<26} {r['stock']:>14,d} {r['ours']:>16,d} {r['ours'] / r['stock']:>7.3f}   "
               f"{r['stock_per_image'] / MiB:>13.1f} {r['ours_per_image'] / MiB:>12.1f}   "
               f"{r['pairs'] / r['stock']:>16.3f}")
     print("(pairs-only: convert_model(residual=False, standalone=False), BN + activation pairs alone)")

@@ -15,7 +15,9 @@ For each model it builds three variants from the same initial weights:
                in backward.
 
 deeplabv3_resnet18 is the model of ``examples/train_segmentation.py``, built
-by its ``build_model``.
+by its ``build_model``. ``timm_efficientnet_b0`` (on request, with timm
+installed) is timm's EfficientNet-B0, whose BatchNormAct2d modules hold their
+SiLU; its checkpoint variant wraps each of the ``blocks`` stages.
 
 Timed: one training step (forward, cross-entropy loss, backward, SGD step
 with momentum), median and interquartile range over ``--repeats`` steps after
@@ -115,12 +117,22 @@ def _deeplabv3_resnet18():
     return build_segmentation("deeplabv3_resnet18", n), n
 
 
+def _timm_efficientnet_b0():
+    import timm
+
+    return timm.create_model("efficientnet_b0", pretrained=False), 1000
+
+
 def _resnet_blocks(model):
     return [(layer, i) for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for i in range(len(layer))]
 
 
 def _efficientnet_blocks(model):
     return [(model.features, i) for i in range(1, len(model.features) - 1)]  # features[0] stem, [-1] 1x1 head conv
+
+
+def _timm_blocks(model):
+    return [(model.blocks, i) for i in range(len(model.blocks))]  # the MBConv stages
 
 
 def _deeplab_blocks(model):
@@ -132,7 +144,9 @@ MODELS = {
     "resnet50": (_resnet50, _resnet_blocks, 8, 128),
     "efficientnet_b0": (_efficientnet_b0, _efficientnet_blocks, 8, 128),
     "deeplabv3_resnet18": (_deeplabv3_resnet18, _deeplab_blocks, 8, 96),
+    "timm_efficientnet_b0": (_timm_efficientnet_b0, _timm_blocks, 8, 128),  # on request: needs timm
 }
+DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "deeplabv3_resnet18")
 QUICK = dict(batch=2, size=32, repeats=2, warmup=1)
 
 
@@ -316,8 +330,8 @@ def table(rows) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
-                    help=f"any of: {', '.join(MODELS)} (default: all)")
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS), metavar="MODEL",
+                    help=f"any of: {', '.join(MODELS)} (default: {', '.join(DEFAULT_MODELS)})")
     ap.add_argument("--batch", type=int, default=None, help="batch size for every model (default: 8 each)")
     ap.add_argument("--size", type=int, default=None,
                     help="image size in px for every model (default: 128, deeplabv3_resnet18 96)")
