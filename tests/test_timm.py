@@ -1,8 +1,9 @@
-"""convert_model on timm models: its norm + activation modules (BatchNormAct2d,
-SyncBatchNormAct, GroupNormAct), the nn.Identity placeholders between a norm and
-what it fuses (drop_path / drop_block at rate 0), and timm's fx leaves (its
-"same"-padding convolutions). Exact equivalence in float64 against the stock
-timm model (with ReLU swapped for the leaky_relu(0.01) that the conversion uses)."""
+"""timm: convert_model on its models (its norm + activation modules BatchNormAct2d,
+SyncBatchNormAct, GroupNormAct; the nn.Identity placeholders between a norm and
+what it fuses, drop_path / drop_block at rate 0; its fx leaves, the "same"-padding
+convolutions), exact in float64 against the stock timm model (with ReLU swapped
+for the leaky_relu(0.01) that the conversion uses); and timm's InplaceAbn layer,
+written for the original inplace_abn package, running on this one."""
 import copy
 import warnings
 
@@ -111,3 +112,31 @@ def test_group_norm_act_and_sync_batch_norm_act():
     conv, report = convert_model(synced, return_report=True)
     layer = conv.get_submodule("1")
     assert type(layer) is InPlaceABNSync and layer.activation == "silu", str(report)
+
+
+@pytest.mark.parametrize("act,param", [("leaky_relu", 0.01), ("elu", 1.0), ("identity", 0.0)])
+def test_timm_inplace_abn_layer_runs_on_this_package(act, param):
+    """timm.layers.InplaceAbn imports inplace_abn.functions.inplace_abn (the original package's API) and
+    calls it positionally; on this package it computes BatchNorm with the |w| + eps scale + activation, its
+    gradients and running statistics, to float64 rounding."""
+    from timm.layers import inplace_abn as timm_iabn
+    from reference import stock
+
+    assert timm_iabn.has_iabn  # timm found this package as inplace_abn
+    torch.manual_seed(0)
+    layer = timm_iabn.InplaceAbn(6, act_layer=act, act_param=param).double()
+    with torch.no_grad():
+        layer.weight.uniform_(-1.5, 1.5), layer.bias.uniform_(-0.5, 0.5)
+    x0 = torch.randn(3, 6, 5, 5, dtype=torch.float64)
+    w, b = (p.detach().clone().requires_grad_() for p in (layer.weight, layer.bias))
+    rm, rv = layer.running_mean.clone(), layer.running_var.clone()
+    xr = x0.clone().requires_grad_()
+    ref = stock(xr, w, b, rm, rv, activation=act, activation_param=param, weight_mode="abs")
+    x = x0.clone().requires_grad_()
+    y = layer(x * 1)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    y.backward(g)
+    for got, want in ((y, ref), (x.grad, xr.grad), (layer.weight.grad, w.grad), (layer.bias.grad, b.grad),
+                      (layer.running_mean, rm), (layer.running_var, rv)):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
