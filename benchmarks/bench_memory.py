@@ -132,6 +132,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",
                                                  "memory.png"), help="plot path (PNG)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--keep-modules", action="store_true",
+                   help="convert with keep_modules=True (the model's own class, modules swapped)")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA measurements")
     p.add_argument("--cuda-limit-gib", type=float, default=16.0,
                    help="memory cap for the largest-batch search (default 16 GiB)")
@@ -145,10 +147,11 @@ def main(argv=None):
     for name in args.models:
         t = time.time()
         model = build(name)
-        conv, report = convert_model(model, return_report=True)
+        conv, report = convert_model(model, keep_modules=args.keep_modules, return_report=True)
         row = dict(name=name, report=report.summary())
         # "pairs": the straightforward per-layer conversion (BN + activation pairs only), for reference
-        variants = dict(stock=model, pairs=convert_model(model, residual=False, standalone=False), ours=conv)
+        variants = dict(stock=model, pairs=convert_model(model, residual=False, standalone=False,
+                                                         keep_modules=args.keep_modules), ours=conv)
         for key, m in variants.items():
             row[key] = saved_bytes(m, args.batch, res)
             # Saved bytes = batch * per-image bytes + a constant (per-channel statistics, independent of

@@ -2,6 +2,7 @@
 BatchNorm or GroupNorm call (a "norm" below: the rules are the same for both),
 and whether overwriting its input is safe (see the docstring of
 `inplace_abn.convert` for the rules)."""
+import ast
 import copy
 import inspect
 import operator
@@ -101,7 +102,13 @@ _ALIAS_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflat
 # Views in which several elements share memory: an in-place layer cannot write them.
 _OVERLAP_FUNCS = {torch.broadcast_to}
 _OVERLAP_METHODS = {"expand", "expand_as", "broadcast_to"}
-_INPLACE_FUNCS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+# What ``a op= b`` runs in place of ``a op b`` (fx records both as the latter: `mark_augmented_assignments`).
+_AUGMENTED = {operator.add: operator.iadd, operator.sub: operator.isub, operator.mul: operator.imul,
+              operator.truediv: operator.itruediv, operator.floordiv: operator.ifloordiv, operator.mod: operator.imod,
+              operator.pow: operator.ipow, operator.matmul: operator.imatmul, operator.and_: operator.iand,
+              operator.or_: operator.ior, operator.xor: operator.ixor, operator.lshift: operator.ilshift,
+              operator.rshift: operator.irshift}
+_INPLACE_FUNCS = set(_AUGMENTED.values()) | {operator.setitem}
 
 
 def _callable_name(node: fx.Node, modules: Dict[str, nn.Module]) -> str:
@@ -390,10 +397,14 @@ class _Tracer(fx.Tracer):
                 or norm_act_parts(m) is not None or isinstance(m, self._notrace_modules))
 
 
-def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args) -> Tuple[fx.Graph, nn.Module, bool]:
+def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args, stack_traces: bool = False
+          ) -> Tuple[fx.Graph, nn.Module, bool]:
     """(graph, root, mode_dependent): the graph of ``model`` in its current
-    mode, and whether tracing in the other mode gives a different graph."""
+    mode, and whether tracing in the other mode gives a different graph.
+    ``stack_traces``: our tracer records each node's stack (`mark_augmented_assignments`)."""
     tr = tracer if tracer is not None else _Tracer()
+    if tracer is None:
+        tr.record_stack_traces = stack_traces
     graph = tr.trace(model, concrete_args)
     root = tr.root
     modes = {m: m.training for m in model.modules()}
@@ -423,6 +434,34 @@ def drop_identities(gm: fx.GraphModule) -> None:
                 and len(node.args) == 1 and not node.kwargs and is_norm_call(node.args[0])):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def _source_line(node: fx.Node) -> Optional[str]:
+    """The line of model code that created ``node``, from its recorded stack (the last frame outside
+    torch.fx), or None where no stack was recorded."""
+    frames = re.findall(r'File "([^"]*)", line \d+, in \S+\n[ \t]*(.*)', node.stack_trace or "")
+    code = [line for path, line in frames if "/torch/fx/" not in path.replace("\\", "/")]
+    return code[-1].strip() if code else None
+
+
+def _is_augmented(line: str) -> bool:
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:  # a statement over several lines: assume the worst
+        return True
+    return any(isinstance(n, ast.AugAssign) for n in ast.walk(tree))
+
+
+def mark_augmented_assignments(gm: fx.GraphModule) -> None:
+    """Where the model's own forward runs (``keep_modules``), ``a += b`` on tensors writes ``a`` in
+    place, but fx records it as ``a + b``: give such nodes their in-place operator, judged from the
+    source line that created them (without a recorded line, every such operator counts as in place)."""
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target in _AUGMENTED and node.args
+                and isinstance(node.args[0], fx.Node)):
+            line = _source_line(node)
+            if line is None or _is_augmented(line):
+                node.target = _AUGMENTED[node.target]
 
 
 def set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
@@ -557,6 +596,26 @@ def preserve_candidates(bn: fx.Node, candidates: List[Candidate], notes: List[st
     kept = [c for c in candidates if c.add is None]
     if len(kept) < len(candidates):
         notes.append(f"no fused add: its input is modified in place later by {writer}")
+    return kept
+
+
+def module_level_candidates(candidates: List[Candidate], notes: List[str], modules, calls) -> List[Candidate]:
+    """The candidates that swapping modules can express (``convert_model(keep_modules=True)``): no
+    fused add (it is in the forward's code), and a fused activation only as a module that the traced
+    forwards call once (``calls(module)``), on this norm's output: it becomes an nn.Identity."""
+    kept = []
+    for c in candidates:
+        if c.add is not None:
+            problem = "the add is in the forward's code"
+        elif c.act is not None and c.act.op != "call_module":
+            problem = f"the activation {_callable_name(c.act, modules)} is in the forward's code"
+        elif c.act is not None and calls(modules[c.act.target]) != 1:
+            problem = (f"the activation module {c.act.target} is called "
+                       f"{calls(modules[c.act.target])} times")
+        else:
+            kept.append(c)
+            continue
+        notes.append(f"{c.pattern} not taken with keep_modules: {problem}")
     return kept
 
 

@@ -62,6 +62,12 @@ beside an input kept alive would save more, not less).
 Whatever is not converted stays as it was; the `ConversionReport` says what
 was converted and why the rest was left.
 
+``keep_modules=True`` keeps the model's own class and code: the graph only
+informs module swaps (the norm for the layer, a fused activation module for
+``nn.Identity``), so no add is fused, an activation only as a module called
+once, and ``a += b`` (traced as ``a + b``) counts as the in-place write it is
+in the model's code, judged from the source line of each node.
+
 Known blocks that torch.fx cannot trace are rewritten at module level first
 (`inplace_abn._convert_diffusers`, imported only when diffusers is): each
 diffusers ``ResnetBlock2D`` (norm1 -> nonlinearity and norm2 -> nonlinearity,
@@ -232,6 +238,7 @@ def convert_model(
     inplace: bool = False,
     tracer: Optional[fx.Tracer] = None,
     concrete_args: Optional[Dict[str, Any]] = None,
+    keep_modules: bool = False,
     return_report: bool = False,
 ) -> Union[nn.Module, Tuple[nn.Module, ConversionReport]]:
     """Rewrite BatchNorm / GroupNorm (+ add) + activation chains of ``model`` as in-place layers.
@@ -261,12 +268,21 @@ def convert_model(
             broadcasting add then raises a clear error in the layer).
         inplace: convert ``model`` itself (its BatchNorm weights are rewritten
             and its modules shared with the result) instead of a deep copy.
+        keep_modules: return the model's own class (its methods and
+            attributes: timm's ``reset_classifier``, ``forward_features``,
+            ``pretrained_cfg``...) with modules swapped, instead of a
+            GraphModule: each converted norm module becomes the layer, and a
+            fused activation module, called once and only there, an
+            ``nn.Identity``. Only what module swaps can express is converted:
+            no fused add (it is in the forward's code), no functional
+            activation; the report's notes say what was given up.
         return_report: also return the `ConversionReport`.
 
     Returns:
         A ``torch.fx.GraphModule`` (an ordinary ``nn.Module``: train it, save
         its ``state_dict``, switch it to eval) with the original parameter and
-        buffer names, and the report when ``return_report``. When the model's
+        buffer names, or with ``keep_modules`` the model itself (copied unless
+        ``inplace``), and the report when ``return_report``. When the model's
         own forward depends on the train/eval mode, the model itself (copied
         unless ``inplace``) with its submodules converted. The report's
         summary is also logged (logger ``inplace_abn.convert``, level INFO).
@@ -274,7 +290,7 @@ def convert_model(
     _activation.check(activation, activation_param)
     if not inplace:
         model = copy.deepcopy(model)
-    job = _Job(ConversionReport(), (activation, activation_param), residual, standalone, None)
+    job = _Job(ConversionReport(), (activation, activation_param), residual, standalone, None, keep_modules)
     _rewrite_known_modules(model, job)
     if example_inputs is not None:
         job.inputs = _module_inputs(model, example_inputs, job.handled)
@@ -294,6 +310,7 @@ class _Job:
     residual: bool
     standalone: bool
     inputs: Optional[Dict[int, tuple]]  # id(module) -> its first inputs, with example_inputs
+    keep_modules: bool = False  # swap modules in the model instead of returning rewritten graphs
     done: Dict[int, nn.Module] = field(default_factory=dict)  # id(module) -> its conversion
     handled: set = field(default_factory=set)  # ids of modules the module-level rewrite converted or left
     calls: Dict[int, int] = field(default_factory=dict)  # id(module) -> calls in all the graphs traced so far
@@ -356,7 +373,7 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
     if id(module) in job.handled or (job.handled and not analysis.has_norm(module, job.handled)):
         return module  # rewritten at module level, or nothing left to convert after that
     try:
-        graph, root, mode_dependent = analysis.trace(module, tracer, concrete_args)
+        graph, root, mode_dependent = analysis.trace(module, tracer, concrete_args, stack_traces=job.keep_modules)
     except Exception as e:
         if not qual and not job.report.rewritten:
             raise
@@ -371,6 +388,8 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
             job.calls[key] = job.calls.get(key, 0) + 1
     gm = fx.GraphModule(root, graph, module.__class__.__name__)
     analysis.drop_identities(gm)
+    if job.keep_modules:  # (the graph only informs the swaps: the model's own forward runs)
+        analysis.mark_augmented_assignments(gm)
     # GraphModule rebuilds the module tree above the leaves as plain Modules: keep their modes.
     for name, m in gm.named_modules():
         try:
@@ -382,15 +401,17 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
         job.report.shapes_checked = True
     else:
         safety = analysis.StaticSafety(dict(gm.named_modules()))
-    _convert_graph(gm, safety, job, f"{qual}." if qual else "")
+    # keep_modules: the swaps go into the module itself, which is the result; the graph only informs them
+    result = module if job.keep_modules else gm
+    _convert_graph(gm, safety, job, f"{qual}." if qual else "", result)
     # Leaves holding norms (modules whose forward reads self.training, or a
     # custom tracer's leaves) are converted on their own.
     for target in dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_module"):
         leaf = gm.get_submodule(target)
         if isinstance(leaf, analysis.LAYER_TYPES) or analysis.is_norm(leaf) or not analysis.has_norm(leaf, job.handled):
             continue
-        analysis.set_submodule(gm, target, _convert_once(leaf, f"{qual}.{target}" if qual else target, job))
-    return gm
+        analysis.set_submodule(result, target, _convert_once(leaf, f"{qual}.{target}" if qual else target, job))
+    return result
 
 
 def _convert_once(module: nn.Module, qual: str, job: _Job) -> nn.Module:
@@ -437,9 +458,11 @@ def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_al
                 setattr(module, name, new)
 
 
-def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
+def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str, owner: nn.Module) -> None:
     """Replace each convertible BatchNorm or GroupNorm call of ``gm`` (and what it fuses) by an
-    in-place layer; ``prefix`` makes the reported names qualified in the model."""
+    in-place layer; ``prefix`` makes the reported names qualified in the model. ``owner``: ``gm``,
+    or with ``job.keep_modules`` the traced module, whose modules are swapped instead (the norm
+    for the layer, a fused activation module for an nn.Identity; the graph is left as it is)."""
     report = job.report
     modules = dict(gm.named_modules())
     calls: Dict[str, int] = {}
@@ -474,6 +497,9 @@ def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
                                                      job.standalone and keep_input is None)
         if keep_input is not None:
             candidates = analysis.preserve_candidates(bn, candidates, notes, safety)
+        if job.keep_modules:
+            candidates = analysis.module_level_candidates(candidates, notes, modules,
+                                                          lambda m: job.calls.get(id(m), 0))
         chosen = analysis.choose(bn, candidates, notes, safety)
         if chosen is None:
             why = "; ".join(notes) if notes else "nothing to fuse"
@@ -483,15 +509,21 @@ def _convert_graph(gm: fx.GraphModule, safety, job: _Job, prefix: str) -> None:
         if keep_input is not None:
             layer.preserve_input = True
             notes.insert(0, f"preserve_input: {keep_input}")
-        analysis.set_submodule(gm, target, layer)
+        analysis.set_submodule(owner, target, layer)
         modules[target] = layer
         safety.converted(bn, chosen, preserve=keep_input is not None)
-        _rewrite(gm, bn, chosen)
+        if job.keep_modules:
+            if chosen.act is not None:  # (the layer applies it; the analysis of later norms sees an alias)
+                modules[chosen.act.target] = nn.Identity()
+                analysis.set_submodule(owner, chosen.act.target, modules[chosen.act.target])
+        else:
+            _rewrite(gm, bn, chosen)
         report.converted.append(ConvertedLayer(prefix + target, chosen.pattern, chosen.activation, chosen.param,
                                                chosen.source, "; ".join(notes), small))
-    gm.graph.lint()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
+    if not job.keep_modules:
+        gm.graph.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
 
 
 def _rewrite(gm: fx.GraphModule, bn: fx.Node, chosen: "analysis.Candidate") -> None:

@@ -324,6 +324,64 @@ def test_identity_placeholders_do_not_block_fusion():
         _assert_equivalent(ref, conv, x, training=training)
 
 
+def test_keep_modules_swaps_modules_in_the_model_itself():
+    """keep_modules=True returns the model's own class with modules swapped (a deep copy). torchvision's
+    BasicBlock calls one ReLU(inplace=True) twice and adds its shortcut in its code with ``out += identity``,
+    in place (fx records it as ``out + identity``): those BatchNorms are left, the reasons given, and the
+    result equals the stock model in float64 (with the in-place add overlooked, its backward raised)."""
+    torch.manual_seed(0)
+    model = _randomize_bn(_swap_relu(torchvision.models.resnet18(num_classes=10))).double()
+    conv, report = convert_model(model, keep_modules=True, return_report=True)
+    assert type(conv) is torchvision.models.ResNet and conv is not model
+    assert report.counts() == {"bn+act": 1, "bn": 3, "left": 16}, str(report)
+    assert isinstance(conv.bn1, InPlaceABN) and type(conv.relu) is nn.Identity  # stem: bn + its own activation
+    block = conv.layer2[0]
+    assert type(block.bn1) is nn.BatchNorm2d and type(block.bn2) is nn.BatchNorm2d
+    assert isinstance(block.downsample[1], InPlaceABN)
+    assert "bn+add not taken with keep_modules: the add is in the forward's code" in report.converted[1].note
+    left = {x.name: x.reason for x in report.left}
+    assert "the activation module layer1.0.relu is called 2 times" in left["layer1.0.bn1"]
+    assert "modified in place by add (iadd)" in left["layer1.0.bn2"]
+    assert conv.state_dict().keys() == model.state_dict().keys()
+    x = torch.randn(2, 3, 40, 40, dtype=torch.float64)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
+
+
+class _Adds(nn.Module):
+    """A BatchNorm output added to with ``+`` (a new tensor) and one with ``+=`` (in place in eager code)."""
+
+    def __init__(self, C=4):
+        super().__init__()
+        self.conv1, self.bn1, self.conv2, self.bn2 = (nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C),
+                                                      nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C))
+
+    def forward(self, x):
+        a = self.bn1(self.conv1(x))
+        a = a + x
+        b = self.bn2(self.conv2(a))
+        b += a
+        return b
+
+
+@pytest.mark.parametrize("tracer", [None, "plain"], ids=["ours", "custom"])
+def test_keep_modules_sees_augmented_assignments(tracer):
+    """Under keep_modules the model's own code runs: ``b += a`` writes the BatchNorm output in place, so bn2
+    stays (from the line that made the node); without recorded lines (a custom tracer) every such add counts
+    as in place. With the graph (default) both become layers: its code adds out of place."""
+    torch.manual_seed(0)
+    model = _randomize_bn(_Adds()).double()
+    tr = None if tracer is None else torch.fx.Tracer()
+    conv, report = convert_model(model, keep_modules=True, tracer=tr, return_report=True)
+    expected = ["bn1"] if tracer is None else []
+    assert [c.name for c in report.converted] == expected, str(report)
+    assert "modified in place by add_1 (iadd)" in {x.name: x.reason for x in report.left}["bn2"]
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
+    assert len(convert_model(model, return_report=True)[1].converted) == 2
+
+
 def test_bn_output_used_twice_is_not_fused():
     """Standalone mode: the BatchNorm becomes an identity in-place layer, the
     activation stays separate, and both readers see BN(x)."""

@@ -52,6 +52,19 @@ def test_efficientnet_silu_norm_act_modules_are_converted_exactly(training):
     assert model_saved_bytes(conv, _x()) < 0.5 * model_saved_bytes(model, _x())
 
 
+def test_keep_modules_keeps_timm_model_api():
+    """keep_modules=True: timm's EfficientNet class comes back (reset_classifier, forward_features,
+    pretrained_cfg work), every norm converted with its own SiLU, equal to timm's model in float64."""
+    model = _model("efficientnet_b0")
+    conv, report = convert_model(model, keep_modules=True, return_report=True)
+    assert type(conv) is type(model) and conv.pretrained_cfg == model.pretrained_cfg
+    assert report.counts() == {"bn+act": 33, "bn": 16, "left": 0}, str(report)
+    for training in (True, False):
+        _assert_equivalent(model, conv, _x(), training=training)
+    conv.reset_classifier(5)
+    assert conv(_x()).shape == (2, 5) and conv.forward_features(_x()).shape == (2, 1280, 2, 2)
+
+
 @pytest.mark.parametrize("name,counts", [
     ("resnet18", {"bn+add+act": 8, "bn+act": 9, "bn": 3, "left": 0}),  # plain BatchNorm2d, drop_block identities
     ("regnetx_002", {"bn+add+act": 13, "bn+act": 27, "bn": 4, "left": 0}),  # BatchNormAct2d with ReLU
