@@ -8,6 +8,7 @@ import inspect
 import operator
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -358,6 +359,156 @@ def reached_into(cls: type) -> Optional[set]:
     return names
 
 
+def _methods(module: nn.Module) -> Optional[Dict[str, ast.FunctionDef]]:
+    """The methods defined by the classes of ``module``'s MRO below nn.Module (the first definition of
+    each name wins), parsed; None when a source is unavailable."""
+    found: Dict[str, ast.FunctionDef] = {}
+    for c in type(module).__mro__:
+        if c in (nn.Module, object) or c.__module__.startswith("torch.nn."):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        for fn in tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else ():
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.setdefault(fn.name, fn)
+    return found
+
+
+def _self_call(call: ast.AST) -> Optional[str]:
+    """``name`` for a call of ``self.name(...)`` or ``self.name[...](...)``, else None."""
+    if not isinstance(call, ast.Call):
+        return None
+    f = call.func.value if isinstance(call.func, ast.Subscript) else call.func
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+        return f.attr
+    return None
+
+
+def code_writes_in_place(module: nn.Module) -> Dict[str, str]:
+    """{child name: how ``module``'s own code (its forward and the methods it calls on self) may
+    write in place what that child returned}, for the children where it may. Each name's value is
+    followed through the statements in order (both branches of an ``if``, loop bodies twice; what a
+    method of self returns counts as every child's) to an augmented assignment, an ``x_()`` call,
+    ``inplace=True``, or a child module with ``inplace=True`` applied to it. Without the source,
+    every child, under ``"*"``."""
+    methods = _methods(module)
+    if methods is None:
+        return {"*": f"the source of {type(module).__name__} is unavailable"}
+    children = dict(module.named_children())
+    found: Dict[str, str] = {}
+    todo, seen = ["forward"], set()
+
+    def value_of(e, held) -> set:
+        """The children whose result the value of ``e`` may be, or a view of (a call may return its
+        first argument or its receiver: a view, an identity module; arithmetic makes new tensors)."""
+        while isinstance(e, (ast.Subscript, ast.Attribute, ast.Starred)):
+            e = e.value
+        if isinstance(e, ast.Call):
+            called = _self_call(e)
+            out = {called} if called in children else set(children) if called in methods else set()
+            if isinstance(e.func, ast.Attribute) and called is None:
+                out |= value_of(e.func.value, held)  # x.view(...), x.contiguous()
+            if called in children and isinstance(children[called], _FRESH_MODULES):
+                return out  # a convolution, a norm...: a new tensor
+            return out | (value_of(e.args[0], held) if e.args else set())
+        if isinstance(e, (ast.Tuple, ast.List)):
+            return set().union(*(value_of(x, held) for x in e.elts))
+        if isinstance(e, ast.IfExp):
+            return value_of(e.body, held) | value_of(e.orelse, held)
+        return set(held.get(e.id, ())) if isinstance(e, ast.Name) else set()
+
+    def check(expr, held, where):
+        """Record the in-place writes that ``expr`` (no nested statements) makes to held values."""
+        for n in ast.walk(expr):
+            if not isinstance(n, ast.Call):
+                continue
+            called = _self_call(n)
+            if called in methods:
+                todo.append(called)
+            writes = []
+            if isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_") and not n.func.attr.startswith("_"):
+                writes.append((n.func.value, f"with .{n.func.attr}()"))
+            if n.args and (any(k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True
+                               for k in n.keywords) or getattr(children.get(called), "inplace", False) is True):
+                writes.append((n.args[0], "in place (inplace=True)"))
+            for target, how in writes:
+                for child in value_of(target, held):
+                    found.setdefault(child, f"{where} writes {ast.unparse(target)} {how}")
+
+    def visit(stmts, held, where) -> dict:
+        for st in stmts:
+            if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(st, ast.If):
+                check(st.test, held, where)
+                a, b = visit(st.body, dict(held), where), visit(st.orelse, dict(held), where)
+                held = {k: a.get(k, set()) | b.get(k, set()) for k in set(a) | set(b)}
+                continue
+            if isinstance(st, (ast.For, ast.AsyncFor, ast.While)):
+                check(st.iter if isinstance(st, (ast.For, ast.AsyncFor)) else st.test, held, where)
+                for _ in range(2):  # a value may come round the loop
+                    if isinstance(st, (ast.For, ast.AsyncFor)):
+                        for t in ast.walk(st.target):
+                            if isinstance(t, ast.Name):
+                                held[t.id] = held.get(t.id, set()) | value_of(st.iter, held)
+                    out = visit(st.body, dict(held), where)
+                    held = {k: held.get(k, set()) | out.get(k, set()) for k in set(held) | set(out)}
+                held = visit(st.orelse, held, where)
+                continue
+            if isinstance(st, (ast.With, ast.AsyncWith, ast.Try)):
+                for item in getattr(st, "items", ()):
+                    check(item.context_expr, held, where)
+                held = visit(st.body, held, where)
+                for h in getattr(st, "handlers", ()):
+                    held = visit(h.body, held, where)
+                held = visit(getattr(st, "orelse", []) + getattr(st, "finalbody", []), held, where)
+                continue
+            check(st, held, where)
+            if isinstance(st, ast.AugAssign):
+                for child in value_of(st.target, held):
+                    found.setdefault(child, f"{where} writes {ast.unparse(st.target)} with an augmented assignment")
+            if isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None:
+                value = value_of(st.value, held)
+                for target in st.targets if isinstance(st, ast.Assign) else [st.target]:
+                    names = [t for t in ast.walk(target) if isinstance(t, ast.Name)]
+                    for t in names:  # (a tuple target: each name may hold any part)
+                        held[t.id] = set(value)
+        return held
+
+    while todo:
+        name = todo.pop()
+        fn = methods.get(name)
+        if fn is None or name in seen:
+            continue
+        seen.add(name)
+        visit(fn.body, {}, f"{type(module).__name__}.{name}")
+    return found
+
+
+def returned(node: fx.Node, modules) -> bool:
+    """Whether ``node``'s value (or a view of it) is an output of its graph."""
+    return any(u.op == "output" for u, _ in _alias_readers(node, modules))
+
+
+class ReturnedWritten:
+    """A safety (`StaticSafety`, `RunSafety`) for a graph whose outputs the caller may write in place
+    (``why``): a value returned counts as modified in place."""
+
+    def __init__(self, inner, modules, why: str):
+        self.inner, self.modules, self.why = inner, modules, why
+
+    def modified_in_place(self, node: fx.Node) -> Optional[str]:
+        found = self.inner.modified_in_place(node)
+        if found is None and returned(node, self.modules):
+            found = f"the caller, to which it is returned ({self.why})"
+        return found
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def has_norm(m: nn.Module, skip: frozenset = frozenset()) -> bool:
     """Whether ``m`` holds a BatchNorm or GroupNorm module (not counting this
     package's layers, nor the modules whose ids are in ``skip``, with theirs)."""
@@ -423,15 +574,20 @@ def trace(model: nn.Module, tracer: Optional[fx.Tracer], concrete_args, stack_tr
 
 def drop_identities(gm: fx.GraphModule) -> None:
     """Remove from ``gm``'s graph the calls of plain ``nn.Identity`` modules applied to a norm's
-    output (their readers read the norm's output): placeholders such as timm's ``drop_path`` /
-    ``drop_block`` at rate 0 would otherwise stand between the norm and the add or activation it
-    fuses. Other identities stay (a head set to ``nn.Identity()`` may be replaced later)."""
+    output or to its sum with a shortcut (their readers read that value): placeholders such as timm's
+    ``drop_path`` / ``drop_block`` at rate 0 or an absent attention would otherwise stand between the
+    norm and the add or activation it fuses. Other identities stay (a head set to ``nn.Identity()``
+    may be replaced later)."""
     def is_norm_call(n) -> bool:
         return isinstance(n, fx.Node) and n.op == "call_module" and is_norm(gm.get_submodule(n.target))
 
+    def fusable(n) -> bool:  # a norm's output, or its sum with a shortcut (then an activation may follow)
+        return is_norm_call(n) or (isinstance(n, fx.Node) and any(_match_add(n, a) is not None
+                                                                  for a in n.args if is_norm_call(a)))
+
     for node in list(gm.graph.nodes):
         if (node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Identity
-                and len(node.args) == 1 and not node.kwargs and is_norm_call(node.args[0])):
+                and len(node.args) == 1 and not node.kwargs and fusable(node.args[0])):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
 

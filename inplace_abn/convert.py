@@ -103,8 +103,9 @@ layers as leaves, and also any module whose ``forward`` reads
 freeze the mode it was traced in; timm's norm + activation modules, and, when
 timm is loaded, the modules and functions timm registers as not to be traced
 (its "same"-padding convolutions). Calls of plain ``nn.Identity`` modules on
-a norm's output (timm's ``drop_path`` at rate 0) are removed from the traced
-graph, so they do not stand between the norm and what it fuses. Such a leaf that holds BatchNorms, like any
+a norm's output or on its sum with a shortcut (timm's ``drop_path`` at rate
+0) are removed from the traced graph, so they do not stand between the norm
+and what it fuses. Such a leaf that holds BatchNorms, like any
 leaf of a custom ``tracer`` that does, is converted on its own. A module whose
 traced graph still depends on the mode (the model's own ``forward`` reading
 ``self.training``, e.g. torchvision's Inception3), or a submodule that
@@ -112,7 +113,12 @@ torch.fx cannot trace, is kept as it is: each of its submodules is converted
 separately, and the BatchNorms its own forward calls are left (the report
 says so and carries a warning). A submodule whose insides its code uses
 (``self.block.bn``, ``self.block[1]``: found in the class's source) is kept
-the same way, and a BatchNorm called by two traced forwards is left. The
+the same way, and a BatchNorm called by two traced forwards is left. A
+submodule converted on its own returns no layer output (which the layer saves
+for backward) into code that may write it in place: kept Python code that
+applies an augmented assignment, an ``x_()`` call or ``inplace=True`` to what
+that submodule returned (read from its source), or a parent graph that writes
+the leaf's output (an in-place layer made there included). The
 result is then that module, not a ``GraphModule``. As with any ``torch.fx`` conversion, modules that a traced
 forward never calls are not part of the result. Without ``example_inputs`` a
 tensor added to a BatchNorm output is assumed to have its shape (a
@@ -131,7 +137,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _activation
-from .abn import ABN
+from .abn import ABN, InPlaceABN
+from .groupnorm import InPlaceAGN
 from . import _convert_analysis as analysis
 from ._convert_weights import bn_weight_to_signed, load_batchnorm_state_dict, make_layer
 
@@ -365,10 +372,13 @@ def _module_inputs(model: nn.Module, example_inputs, skip: set) -> Dict[int, tup
     return seen
 
 
-def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _Job) -> nn.Module:
+def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _Job,
+             written: Optional[str] = None) -> nn.Module:
     """``module`` converted: a GraphModule, or ``module`` itself with its
     submodules converted one by one when its forward depends on the train/eval
-    mode (or, below the top, cannot be traced)."""
+    mode (or, below the top, cannot be traced). ``written``: why the code that
+    calls ``module`` may write what it returns in place (no layer's output or
+    shortcut is then returned), or None."""
     where = f"{qual} ({type(module).__name__})" if qual else f"the model ({type(module).__name__})"
     if id(module) in job.handled or (job.handled and not analysis.has_norm(module, job.handled)):
         return module  # rewritten at module level, or nothing left to convert after that
@@ -378,10 +388,10 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
         if not qual and not job.report.rewritten:
             raise
         return _convert_children(module, qual, job, f"{where} cannot be traced by torch.fx "
-                                                    f"({type(e).__name__}: {e})")
+                                                    f"({type(e).__name__}: {e})", written)
     if mode_dependent:
         return _convert_children(module, qual, job, f"the forward of {where} depends on the train/eval mode "
-                                                    "(it reads self.training)")
+                                                    "(it reads self.training)", written)
     for n in graph.nodes:
         if n.op == "call_module":
             key = id(root.get_submodule(n.target))
@@ -401,43 +411,74 @@ def _convert(module: nn.Module, qual: str, tracer, concrete_args, inputs, job: _
         job.report.shapes_checked = True
     else:
         safety = analysis.StaticSafety(dict(gm.named_modules()))
+    if written is not None:
+        safety = analysis.ReturnedWritten(safety, dict(gm.named_modules()), written)
     # keep_modules: the swaps go into the module itself, which is the result; the graph only informs them
     result = module if job.keep_modules else gm
     _convert_graph(gm, safety, job, f"{qual}." if qual else "", result)
     # Leaves holding norms (modules whose forward reads self.training, or a
     # custom tracer's leaves) are converted on their own.
-    for target in dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_module"):
+    calls: Dict[str, List[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            calls.setdefault(n.target, []).append(n)
+    for target, nodes in calls.items():
         leaf = gm.get_submodule(target)
         if isinstance(leaf, analysis.LAYER_TYPES) or analysis.is_norm(leaf) or not analysis.has_norm(leaf, job.handled):
             continue
-        analysis.set_submodule(result, target, _convert_once(leaf, f"{qual}.{target}" if qual else target, job))
+        # what its output meets here: in-place writes, or a layer made above that overwrites its input (judged
+        # before the leaf was converted: its result was then no layer's saved output)
+        writer = next(filter(None, (safety.modified_in_place(n) or _overwritten_by_layer(n, result) for n in nodes)),
+                      None)
+        analysis.set_submodule(result, target, _convert_once(leaf, f"{qual}.{target}" if qual else target, job,
+                                                             None if writer is None else f"by {writer}"))
     return result
 
 
-def _convert_once(module: nn.Module, qual: str, job: _Job) -> nn.Module:
+def _overwritten_by_layer(node: fx.Node, owner: nn.Module) -> Optional[str]:
+    """The converted in-place layer (not ``preserve_input``) that takes ``node``'s value as its input, described."""
+    for u in node.users:
+        if u.op == "call_module" and u.args and u.args[0] is node:
+            layer = owner.get_submodule(u.target)
+            if isinstance(layer, (InPlaceABN, InPlaceAGN)) and not layer.preserve_input:
+                return f"{u.target} ({type(layer).__name__}, which overwrites its input)"
+    return None
+
+
+def _convert_once(module: nn.Module, qual: str, job: _Job, written: Optional[str] = None) -> nn.Module:
     """`_convert` of a submodule, once per module object (a module registered twice stays one module)."""
     if id(module) in job.handled:
         return module  # rewritten (or left) at module level already
     if id(module) not in job.done:
         inputs = None if job.inputs is None else job.inputs.get(id(module))
-        job.done[id(module)] = _convert(module, qual, None, None, inputs, job)
+        job.done[id(module)] = _convert(module, qual, None, None, inputs, job, written)
     return job.done[id(module)]
 
 
-def _convert_children(module: nn.Module, qual: str, job: _Job, why: str) -> nn.Module:
+def _convert_children(module: nn.Module, qual: str, job: _Job, why: str, written: Optional[str] = None
+                      ) -> nn.Module:
     """Keep ``module``'s own forward; convert each child holding norms on its
-    own, and leave (and report) the norms the forward calls directly."""
+    own, and leave (and report) the norms the forward calls directly.
+    ``written``: why the code calling ``module`` may write what it returns in
+    place (what a child returns may be returned on), else its own code's."""
     job.report.warnings.append(f"{why}: kept as it is, its submodules converted one by one")
     logger.warning("convert_model: %s", job.report.warnings[-1])
-    _convert_members(module, qual, job, why)
+    _convert_members(module, qual, job, why, outer=written)
     return module
 
 
-def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_all: bool = False) -> None:
+def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_all: bool = False,
+                     outer: Optional[str] = None, code: Optional[nn.Module] = None, key: Optional[str] = None
+                     ) -> None:
     """Convert each child of ``module`` holding norms on its own; a child
     whose submodules ``module``'s code uses directly (or, ``reach_all``, any
-    child) is kept as it is too, its own children converted one by one."""
+    child) is kept as it is too, its own children converted one by one.
+    ``outer``: why the code calling ``module`` may write what it returns in
+    place; ``code``: the module whose code calls the children (``module``, or
+    the owner of a container, ``key`` its name there)."""
     reached = None if reach_all else analysis.reached_into(type(module))
+    code = module if code is None else code
+    writes = analysis.code_writes_in_place(code)
     for name, child in module.named_children():
         child_qual = f"{qual}.{name}" if qual else name
         if isinstance(child, analysis.LAYER_TYPES) or not analysis.has_norm(child, job.handled):
@@ -446,14 +487,15 @@ def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_al
         inside = reached is None or name in reached or (not container and f"{name}[]" in reached)
         if analysis.is_norm(child):
             job.report.left.append(LeftLayer(child_qual, f"called by a forward kept as Python code: {why}"))
-        elif container:
-            _convert_members(child, child_qual, job, why, reach_all=inside)
+        elif container:  # (its items are called by module's code)
+            _convert_members(child, child_qual, job, why, reach_all=inside, outer=outer, code=code, key=key or name)
         elif inside:
             _convert_children(child, child_qual, job, f"the code of {qual or 'the model'} "
                                                       f"({type(module).__name__}) may use the submodules of "
-                                                      f"{child_qual} directly")
+                                                      f"{child_qual} directly",
+                              outer or writes.get(key or name) or writes.get("*"))
         else:
-            new = _convert_once(child, child_qual, job)
+            new = _convert_once(child, child_qual, job, outer or writes.get(key or name) or writes.get("*"))
             if new is not child:
                 setattr(module, name, new)
 

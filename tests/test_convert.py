@@ -306,18 +306,21 @@ class _Placeholders(nn.Module):
         self.conv1, self.bn1, self.drop1, self.act1 = nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C), nn.Identity(), nn.ReLU()
         self.conv2, self.bn2, self.drop2 = nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C), nn.Identity()
         self.act2, self.head = nn.SiLU(), nn.Identity()
+        self.conv3, self.bn3, self.attn, self.act3 = nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C), nn.Identity(), nn.ELU()
 
     def forward(self, x):
         h = self.act1(self.drop1(self.bn1(self.conv1(x))))
         d = self.drop2(self.bn2(self.conv2(h)))
-        return self.head(self.act2(d + x) * d.mean())  # d read twice: bn2 + add is not fused, bn2 stands alone
+        e = self.act3(self.attn(self.bn3(self.conv3(h)) + h))  # an identity between the add and its activation
+        return self.head(self.act2(d + x) * d.mean() + e)  # d read twice: bn2 + add is not fused, bn2 stands alone
 
 
 def test_identity_placeholders_do_not_block_fusion():
     torch.manual_seed(0)
     model = _randomize_bn(_Placeholders()).double()
     conv, report = convert_model(copy.deepcopy(model), return_report=True)
-    assert [(c.name, c.pattern) for c in report.converted] == [("bn1", "bn+act"), ("bn2", "bn")], str(report)
+    assert [(c.name, c.pattern) for c in report.converted] == [("bn1", "bn+act"), ("bn2", "bn"),
+                                                                ("bn3", "bn+add+act")], str(report)
     assert "head" in [n.target for n in conv.graph.nodes]  # an identity on no norm's output stays
     x, ref = torch.randn(2, 4, 6, 6, dtype=torch.float64), _swap_relu(model)
     for training in (True, False):

@@ -470,6 +470,100 @@ def test_convert_forward_reading_training_is_correct_in_both_modes(make, with_in
         _assert_equivalent(model, conv, x, training=training)
 
 
+class _WritesChildOutput(nn.Module):
+    """Kept as Python code (it reads self.training); writes what its children return in place: with +=,
+    and through a ReLU(inplace=True) module. ``scale`` is written in place but holds no child's output."""
+
+    def __init__(self, C=4):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C))  # a standalone BatchNorm
+        self.body2 = nn.Sequential(nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C))
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        scale = x.new_ones(())
+        scale += 1
+        out = self.body(x)
+        if not self.training:
+            out = out * 1.0
+        out += x
+        return out * self.act(self.body2(x)) * scale
+
+
+class _ReturnsChildOutput(nn.Module):
+    """Kept as Python code (it reads self.training); returns what its child returns."""
+
+    def __init__(self, C=4):
+        super().__init__()
+        self.unit = nn.Sequential(nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C), nn.SiLU())
+        self.body = nn.Sequential(nn.Conv2d(C, C, 3, padding=1), nn.BatchNorm2d(C))
+
+    def forward(self, x):
+        return self.body(self.unit(x) if self.training else self.unit(x))
+
+
+class _WritesLeafOutput(nn.Module):
+    """Traced; a leaf (it reads self.training) whose output the graph writes in place (relu_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.block = _ReturnsChildOutput()
+        self.wrapped = _WritesChildOutput()
+
+    def forward(self, x):
+        return self.wrapped(F.relu(self.block(self.conv(x)), inplace=True))
+
+
+@pytest.mark.parametrize("keep_modules", [False, True], ids=["graph", "keep_modules"])
+def test_convert_child_output_written_in_place_by_caller_code(keep_modules):
+    """A submodule converted on its own returns a layer's output; code that then writes it in place (the
+    kept forward's ``out += x``, the parent graph's ``relu(inplace=True)`` on a leaf's output) would change
+    what the layer saved (backward raised). Such a layer is not made; the report names the writer."""
+    torch.manual_seed(0)
+    model = _randomize_bn(_WritesLeafOutput()).double()
+    conv, report = convert_model(model, keep_modules=keep_modules, return_report=True)
+    left = {x.name: x.reason for x in report.left}
+    assert "modified in place by the caller, to which it is returned (_WritesChildOutput.forward writes out " \
+           "with an augmented assignment)" in left["wrapped.body.1"], str(report)
+    assert "(_WritesChildOutput.forward writes self.body2(x) in place (inplace=True))" in left["wrapped.body2.1"], \
+        str(report)
+    assert "modified in place by the caller, to which it is returned (by relu" in left["block.body.1"], str(report)
+    assert [c.name for c in report.converted] == ["block.unit.1"]  # inside the leaf, not returned
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
+
+
+class _LeafThenLayer(nn.Module):
+    """A leaf (_ReturnsChildOutput reads self.training) whose result a BatchNorm + SiLU takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.leaf, self.bn, self.act = nn.Conv2d(3, 4, 1), _ReturnsChildOutput(), nn.BatchNorm2d(4), nn.SiLU()
+
+    def forward(self, x):
+        return self.act(self.bn(self.leaf(self.conv(x))))
+
+
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["tables", "run"])
+def test_convert_leaf_output_taken_by_an_in_place_layer(with_inputs):
+    """The parent graph is converted before its leaves. Judged from a run, bn may overwrite the leaf's
+    result (stock, nothing saves it); the leaf converted next returned its own layer's output there, which
+    that layer saves (backward raised). The leaf now returns none; from the tables, bn keeps its input."""
+    torch.manual_seed(0)
+    model = _randomize_bn(_LeafThenLayer()).double()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    conv, report = convert_model(model, example_inputs=(x,) if with_inputs else None, return_report=True)
+    left = {x.name: x.reason for x in report.left}
+    if with_inputs:
+        assert "returned (by bn (InPlaceABN, which overwrites its input))" in left["leaf.body.1"], str(report)
+    else:
+        assert conv.get_submodule("bn").preserve_input and "leaf.body.1" not in left, str(report)
+    for training in (True, False):
+        _assert_equivalent(model, conv, x, training=training)
+
+
 def test_convert_batchnorm_inside_a_leaf_called_directly_is_left():
     """A forward that calls a mode-dependent block and also a BatchNorm inside
     it: the block's own forward calls that BatchNorm too, so converting it
