@@ -61,6 +61,10 @@ def test_keep_modules_keeps_timm_model_api():
     assert report.counts() == {"bn+act": 33, "bn": 16, "left": 0}, str(report)
     for training in (True, False):
         _assert_equivalent(model, conv, _x(), training=training)
+    # timm's own activation checkpointing (checkpoint_seq over the stages) on both: recomputed stages rerun the
+    # layers in their forward, running statistics counted twice as for BatchNorm
+    model.set_grad_checkpointing(True), conv.set_grad_checkpointing(True)
+    _assert_equivalent(model, conv, _x())
     conv.reset_classifier(5)
     assert conv(_x()).shape == (2, 5) and conv.forward_features(_x()).shape == (2, 1280, 2, 2)
 
