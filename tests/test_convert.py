@@ -610,6 +610,23 @@ def test_saved_activation_memory_ratio(name, limit):
     assert ours <= limit * stock, f"{name}: {ours / stock:.3f} of stock ({ours} vs {stock} bytes)"
 
 
+@pytest.mark.parametrize("zoo,families", [("timm", ["dla", "cspresnet"]), ("torchvision", ["resnet"])])
+def test_zoo_script_converts_and_trains(zoo, families, capsys):
+    """benchmarks/convert_zoo.py on a few families: each model converts and trains a step, exit status 0."""
+    import importlib.util
+    import os
+
+    pytest.importorskip(zoo)
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "convert_zoo.py")
+    spec = importlib.util.spec_from_file_location("convert_zoo", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--zoo", zoo, "--families", *families]) == 0
+    out = capsys.readouterr().out
+    n = {"timm": 2, "torchvision": 5}[zoo]
+    assert f"{n} models with a BatchNorm or GroupNorm converted and trained a step" in out and "0 failed" in out
+
+
 def test_memory_benchmark_quick(tmp_path, capsys):
     import importlib.util
     import os
