@@ -340,20 +340,31 @@ def _reads_training(cls: type) -> bool:
 _READS_TRAINING: Dict[type, bool] = {}
 
 
+def _own_sources(cls: type) -> Optional[List[str]]:
+    """The source of every class of ``cls``'s MRO below nn.Module (torch.nn's own left out), most
+    derived first; None when one is unavailable."""
+    sources = []
+    for c in cls.__mro__:
+        if c in (nn.Module, object) or c.__module__.startswith("torch.nn."):
+            continue
+        try:
+            sources.append(inspect.getsource(c))
+        except (OSError, TypeError):
+            return None
+    return sources
+
+
 def reached_into(cls: type) -> Optional[set]:
     """Names of attributes whose own attributes or items' attributes the code
     of ``cls`` uses (``self.block.bn``, ``self.blocks[0].bn``,
     ``self.heads.items()``), and ``name[]`` for those it indexes
     (``self.block[1]``), from the source of every class of its MRO below nn.Module; None when a
     source is unavailable (then anything may be reached)."""
+    sources = _own_sources(cls)
+    if sources is None:
+        return None
     names: set = set()
-    for c in cls.__mro__:
-        if c in (nn.Module, object) or c.__module__.startswith("torch.nn."):
-            continue
-        try:
-            src = inspect.getsource(c)
-        except (OSError, TypeError):
-            return None
+    for src in sources:
         names |= set(re.findall(r"self\.(\w+)\.", src)) | set(re.findall(r"self\.(\w+)\[[^\]]*\]\.", src))
         names |= {f"{n}[]" for n in re.findall(r"self\.(\w+)\[", src)}
     return names
@@ -362,13 +373,14 @@ def reached_into(cls: type) -> Optional[set]:
 def _methods(module: nn.Module) -> Optional[Dict[str, ast.FunctionDef]]:
     """The methods defined by the classes of ``module``'s MRO below nn.Module (the first definition of
     each name wins), parsed; None when a source is unavailable."""
+    sources = _own_sources(type(module))
+    if sources is None:
+        return None
     found: Dict[str, ast.FunctionDef] = {}
-    for c in type(module).__mro__:
-        if c in (nn.Module, object) or c.__module__.startswith("torch.nn."):
-            continue
+    for src in sources:
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
-        except (OSError, TypeError, SyntaxError):
+            tree = ast.parse(textwrap.dedent(src))
+        except SyntaxError:
             return None
         for fn in tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else ():
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -468,17 +468,17 @@ def _convert_children(module: nn.Module, qual: str, job: _Job, why: str, written
 
 
 def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_all: bool = False,
-                     outer: Optional[str] = None, code: Optional[nn.Module] = None, key: Optional[str] = None
-                     ) -> None:
+                     outer: Optional[str] = None, writes: Optional[Dict[str, str]] = None,
+                     key: Optional[str] = None) -> None:
     """Convert each child of ``module`` holding norms on its own; a child
     whose submodules ``module``'s code uses directly (or, ``reach_all``, any
     child) is kept as it is too, its own children converted one by one.
     ``outer``: why the code calling ``module`` may write what it returns in
-    place; ``code``: the module whose code calls the children (``module``, or
-    the owner of a container, ``key`` its name there)."""
+    place; ``writes``: `code_writes_in_place` of the code that calls the
+    children (``module``'s, or for a container its owner's, ``key`` its name there)."""
     reached = None if reach_all else analysis.reached_into(type(module))
-    code = module if code is None else code
-    writes = analysis.code_writes_in_place(code)
+    if writes is None:
+        writes = analysis.code_writes_in_place(module)
     for name, child in module.named_children():
         child_qual = f"{qual}.{name}" if qual else name
         if isinstance(child, analysis.LAYER_TYPES) or not analysis.has_norm(child, job.handled):
@@ -488,7 +488,8 @@ def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_al
         if analysis.is_norm(child):
             job.report.left.append(LeftLayer(child_qual, f"called by a forward kept as Python code: {why}"))
         elif container:  # (its items are called by module's code)
-            _convert_members(child, child_qual, job, why, reach_all=inside, outer=outer, code=code, key=key or name)
+            _convert_members(child, child_qual, job, why, reach_all=inside, outer=outer, writes=writes,
+                             key=key or name)
         elif inside:
             _convert_children(child, child_qual, job, f"the code of {qual or 'the model'} "
                                                       f"({type(module).__name__}) may use the submodules of "
