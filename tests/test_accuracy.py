@@ -401,3 +401,30 @@ def test_half_precision_stores_round_like_torch(dtype, shape, fmt):
     nan = expected.isnan()
     assert torch.equal(y.isnan(), nan) and nan.any()
     assert torch.equal(y.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="tests the native kernels' partial loads and stores")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tail", range(1, 16))
+def test_every_tail_length_loads_and_stores_exactly(dtype, tail):
+    """Planes of 32 + tail elements (the planar walk: whole vectors, then one
+    partial vector of every length an 8- or 16-lane ISA leaves) read x and the
+    residual and write y with their masked / piecewise loads and stores, next
+    to elements that must stay untouched: forward_ with the identity, unit
+    scale and zero shift computes y = dtype(x + r) in the compute type, which
+    torch reproduces bit for bit, and the buffer's guard elements past the
+    tensor keep their bits."""
+    ops = torch.ops.inplace_abn
+    g = torch.Generator().manual_seed(tail)
+    shape = (2, 3, 32 + tail)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(shape, generator=g, dtype=compute).to(dtype)
+    r = torch.randn(shape, generator=g, dtype=compute).to(dtype)
+    expected = (x.to(compute) + r.to(compute)).to(dtype)
+    guard = torch.full((x.numel() + 40,), 7.0, dtype=dtype)
+    y = guard[: x.numel()].view(shape)
+    y.copy_(x)
+    C = shape[1]
+    ops.forward_(y, torch.zeros(C), torch.ones(C), torch.ones(C), torch.zeros(C), r, 0.0, 0, 0.0, True, None, 0)
+    assert torch.equal(y, expected)
+    assert torch.equal(guard[x.numel():], torch.full((40,), 7.0, dtype=dtype))

@@ -46,8 +46,8 @@ void backward_reduce_t(const KernelArgs& a) {
         V zc = z - co.get(0, j);
         if constexpr (RES) zc = zc - io::template ld<FULL>(res + i, cnt);
         if constexpr (!FULL) {
-          gz = V::set(V(F(0)), gz, cnt);
-          zc = V::set(V(F(0)), zc, cnt);
+          gz = set_first(V(F(0)), gz, cnt);
+          zc = set_first(V(F(0)), zc, cnt);
         }
         u = gz;
         v = zc;

@@ -33,6 +33,10 @@
 #include "cpu/silu_table.h"
 #include "ops/kernel.h"
 
+// The partial loads and stores run once per plane or segment: GCC outlined them from the big kernel bodies (a call
+// each, 4% of a bfloat16 layer step's samples at 16x512x7x7).
+#define IABN_IO_INLINE inline __attribute__((always_inline))
+
 #ifndef CPU_CAPABILITY
 #error "compile the CPU kernels with -DCPU_CAPABILITY=<ISA> (setup.py does)"
 #endif
@@ -345,15 +349,85 @@ struct IOFull : Base {
     FULL ? Base::store(p, v) : Base::store(p, v, n);
   }
 };
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX2 partial loads by the masked moves: at::vec's fill a stack buffer piece by piece (a memcpy call) and then load
+// it whole, a failed store forward (bfloat16 bn_forward_ at 16x512x7x7, planes of 49: 28% of its samples on the
+// two loads after them; layers 0.70-0.90x as long without). Lanes [0, n) of a window of the table are set;
+// masked-off lanes never fault.
+alignas(32) constexpr int32_t kMask32[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+inline __m256i mask32(int64_t n) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMask32 + 8 - n)); }
+inline __m256i mask64(int64_t n) {
+  return _mm256_cvtepi32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMask32 + 8 - n)));
+}
+IABN_IO_INLINE Vectorized<float> load_first(const float* p, int64_t n) { return _mm256_maskload_ps(p, mask32(n)); }
+IABN_IO_INLINE Vectorized<double> load_first(const double* p, int64_t n) { return _mm256_maskload_pd(p, mask64(n)); }
+// n < 8 16-bit values: the whole 32-bit pairs masked, an odd last one broadcast and blended into its lane
+IABN_IO_INLINE __m128i load_first16(const void* p, int64_t n) {
+  alignas(16) static constexpr int16_t kLast[15] = {0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0};
+  const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMask32 + 8 - (n >> 1)));
+  __m128i h = _mm_maskload_epi32(static_cast<const int*>(p), m);
+  if (n & 1) {
+    int16_t last;
+    std::memcpy(&last, static_cast<const int16_t*>(p) + n - 1, sizeof(last));
+    h = _mm_blendv_epi8(h, _mm_set1_epi16(last), _mm_loadu_si128(reinterpret_cast<const __m128i*>(kLast + 8 - n)));
+  }
+  return h;
+}
+#endif
+
+// Lanes [0, n) of b, the others of a: at::vec's set, which AVX2 builds call out of line (a switch over n).
+template <typename F>
+IABN_IO_INLINE Vectorized<F> set_first(const Vectorized<F>& a, const Vectorized<F>& b, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<F, float>) return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(mask32(n)));
+  if constexpr (std::is_same_v<F, double>) return _mm256_blendv_pd(a, b, _mm256_castsi256_pd(mask64(n)));
+#endif
+  return Vectorized<F>::set(a, b, n);
+}
+
+// The first n bytes of a stored vector, in fixed-size pieces (moves, where at::vec calls memcpy).
+template <int BYTES>
+IABN_IO_INLINE void copy_first(void* dst, const void* src, int64_t bytes) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  int64_t o = 0;
+  auto piece = [&](auto size) {
+    if (bytes & size) {
+      std::memcpy(d + o, s + o, size);
+      o += size;
+    }
+  };
+  if constexpr (BYTES > 32) piece(std::integral_constant<int64_t, 32>{});
+  if constexpr (BYTES > 16) piece(std::integral_constant<int64_t, 16>{});
+  piece(std::integral_constant<int64_t, 8>{});
+  piece(std::integral_constant<int64_t, 4>{});
+  piece(std::integral_constant<int64_t, 2>{});
+  piece(std::integral_constant<int64_t, 1>{});
+}
+
 template <typename S>
 struct IOPlain {
   using F = S;
   using V = Vectorized<F>;
   static constexpr int W = V::size();
   static V load(const S* p) { return V::loadu(p); }
-  static V load(const S* p, int64_t n) { return V::loadu(p, n); }
+  IABN_IO_INLINE static V load(const S* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX2)
+    return load_first(p, n);
+#else
+    return V::loadu(p, n);
+#endif
+  }
   static void store(S* p, const V& v) { v.store(p); }
-  static void store(S* p, const V& v, int64_t n) { v.store(p, n); }
+  IABN_IO_INLINE static void store(S* p, const V& v, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX2)
+    alignas(32) S buf[W];
+    v.store(buf);
+    copy_first<sizeof(buf)>(p, buf, n * sizeof(S));
+#else
+    v.store(p, n);
+#endif
+  }
 };
 template <typename H>
 struct IOReduced {
@@ -365,11 +439,18 @@ struct IOReduced {
     at::vec::load_to_float<H>(p, out);
     return out;
   }
-  static V load(const H* p, int64_t n) {
+  IABN_IO_INLINE static V load(const H* p, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
     // at::vec's masked load: with the buffer below, the bfloat16 one-pass kernels at 16x512x7x7 (planes of 49) took
-    // twice float32's time. (AVX2's at::vec load fills a buffer too, twice this one's width: 1.00-1.08x as long.)
+    // twice float32's time
     return std::get<0>(at::vec::convert_to_float<H>(Vectorized<H>::loadu(p, n)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    __m256 out;
+    if constexpr (std::is_same_v<H, at::BFloat16>)
+      at::vec::cvtbf16_fp32(load_first16(p, n), out);
+    else
+      at::vec::cvtfp16_fp32(load_first16(p, n), out);
+    return out;
 #else
     H buf[W];
     for (int i = 0; i < W; ++i) buf[i] = H(0.f);
@@ -389,7 +470,14 @@ struct IOReduced {
     at::vec::convert_from_float<H>(v, v).store(p, W);
 #endif
   }
-  static void store(H* p, const V& v, int64_t n) { at::vec::convert_from_float<H>(v, v).store(p, n); }
+  IABN_IO_INLINE static void store(H* p, const V& v, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX2)
+    const auto h = std::is_same_v<H, at::BFloat16> ? at::vec::cvtfp32_bf16(v) : at::vec::cvtfp32_fp16(v);
+    copy_first<sizeof(h)>(p, &h, n * sizeof(H));
+#else
+    at::vec::convert_from_float<H>(v, v).store(p, n);
+#endif
+  }
 };
 template <typename S>
 using IO = IOFull<S, std::conditional_t<sizeof(S) == 2, IOReduced<S>, IOPlain<S>>>;
@@ -749,7 +837,7 @@ inline std::pair<double, double> plane_sums(int64_t n, const UV& uv) {
 // (d = 0 there). d is exact when |x - K| <= |K| (Sterbenz), i.e. wherever |mean| >> std.
 template <bool FULL, typename S, typename F = typename IO<S>::F>
 inline void shifted_pair(const S* x, int cnt, const Vectorized<F>& k, Vectorized<F>& u, Vectorized<F>& v) {
-  const Vectorized<F> xv = FULL ? IO<S>::load(x) : Vectorized<F>::set(k, IO<S>::load(x, cnt), cnt);
+  const Vectorized<F> xv = FULL ? IO<S>::load(x) : set_first(k, IO<S>::load(x, cnt), cnt);
   u = xv - k;
   v = u;
 }

@@ -32,8 +32,8 @@ struct GzZc {
     zc = z - sh;
     if constexpr (RES) zc = zc - io::template ld<FULL>(res + e, cnt);
     if constexpr (!FULL) {
-      gz = V::set(V(F(0)), gz, cnt);
-      zc = V::set(V(F(0)), zc, cnt);
+      gz = set_first(V(F(0)), gz, cnt);
+      zc = set_first(V(F(0)), zc, cnt);
     }
   }
 };
