@@ -159,25 +159,35 @@ inline std::pair<at::Tensor, bool> relu_dy(const at::Tensor& dy, const at::Tenso
   return {at::threshold_backward(like(dy, y), y, 0), false};
 }
 
-// A (C,) vector of the CPU read as float64: float32 / float64 contiguous tensors in place (a conversion would cost
-// one ATen call per vector and operator call), others through a float64 copy (float -> double is exact: the same
-// bits either way).
+// A (C,) vector of the CPU read as float64: contiguous float64 / float32 / bfloat16 / float16 tensors in place (a
+// conversion costs one ATen call per vector and operator call: four per step of a bfloat16 layer), others through a
+// float64 copy. Each of these types converts to double exactly: the same values either way.
 class DoubleReader {
  public:
   explicit DoubleReader(const at::Tensor& t) : keep_(t) {  // (kept: t may be a temporary)
-    if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
-      pf_ = t.const_data_ptr<float>();
-      return;
-    }
-    if (t.scalar_type() != at::kDouble || !t.is_contiguous()) keep_ = t.to(at::kDouble).contiguous();
-    pd_ = keep_.const_data_ptr<double>();
+    const auto st = t.scalar_type();
+    const bool direct = st == at::kDouble || st == at::kFloat || st == at::kBFloat16 || st == at::kHalf;
+    if (!direct || !t.is_contiguous()) keep_ = t.to(at::kDouble).contiguous();
+    type_ = keep_.scalar_type();
+    p_ = keep_.const_data_ptr();
   }
-  double operator[](int64_t c) const { return pf_ ? double(pf_[c]) : pd_[c]; }
+  double operator[](int64_t c) const {
+    switch (type_) {
+      case at::kFloat:
+        return static_cast<const float*>(p_)[c];
+      case at::kBFloat16:
+        return static_cast<float>(static_cast<const at::BFloat16*>(p_)[c]);
+      case at::kHalf:
+        return static_cast<float>(static_cast<const at::Half*>(p_)[c]);
+      default:
+        return static_cast<const double*>(p_)[c];
+    }
+  }
 
  private:
   at::Tensor keep_;
-  const float* pf_ = nullptr;
-  const double* pd_ = nullptr;
+  at::ScalarType type_;
+  const void* p_;
 };
 
 // The (rows, cols) coefficient table T of x's operator, in x's accumulation dtype, from its inputs in and scalars

@@ -21,10 +21,11 @@ at::Tensor weight_grad(const at::Tensor& sum_gz_xhat, const at::Tensor& weight, 
     device_channel_stub(weight).weight_grad(sum_gz_xhat, weight.detach(), out);
     return out;
   }
-  // CPU: one loop (the weight's sign taken in the sums' dtype, as on a GPU)
+  // CPU: one loop (the weight's sign taken in the sums' dtype, as on a GPU; a narrower weight converts exactly)
   const DoubleReader sp(sum_gz_xhat);
   const auto st = sum_gz_xhat.scalar_type();
-  const DoubleReader wp(weight.scalar_type() == st ? weight.detach() : weight.detach().to(st));
+  const bool exact = c10::promoteTypes(weight.scalar_type(), st) == st;
+  const DoubleReader wp(exact ? weight.detach() : weight.detach().to(st));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "weight_grad", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     for (int64_t c = 0; c < out.numel(); ++c) op[c] = static_cast<scalar_t>(abs_weight_grad(sp[c], wp[c]));
