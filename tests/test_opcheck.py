@@ -503,14 +503,52 @@ def test_z_path_refuses_what_it_cannot_do():
                                    g, 1e-5, 3, 0.0, False, False)
 
 
-@pytest.mark.parametrize("dtype,kept", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, False)],
-                         ids=str)
-def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
-    """InPlaceABN with SiLU runs bn_backward's input pass from z in float32/float64 on the
-    CPU (and the inverting input pass otherwise) where its one-pass kernel does not serve
-    y (channels-last here): its profiler ranges say which. InPlaceAGN's
-    backward is one operator, gn_backward, which keeps z in its two-pass path the same way
-    (src/ops/gn_backward.cpp: silu_keeps_z)."""
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_silu_backward_keeps_its_inverse_in_float32(dtype, residual):
+    """bn_backward's two-pass path in half precision (channels-last) keeps the inverse in a
+    float32 buffer between its passes (docs/DESIGN.md section 7.2), over the whole range of
+    z: the same sums as backward_reduce without it (bitwise: the reduce pass's arithmetic
+    is unchanged), and dx and dresidual as the inverting backward_input's (the float32 dx
+    differs by a few float32 ulp, so the half-precision results by at most one rounding)."""
+    ops, act = torch.ops.inplace_abn, _activation.SILU
+    values = torch.cat([torch.linspace(-95.0, -3.0, 101), torch.linspace(-3.0, 0.0, 97),
+                        torch.tensor([-1.2784645427610738, 0.0, -0.0]), torch.linspace(0.0, 8.0, 61),
+                        torch.linspace(8.0, 40.0, 53), torch.tensor([60.0, 100.0])])
+    shape, C = (2, 4, 8, 8), 4
+    n = shape[0] * shape[2] * shape[3]
+    g = torch.Generator().manual_seed(11)
+    z = values[torch.arange(n * C) % values.numel()].view(C, shape[0], shape[2], shape[3])
+    x = z.transpose(0, 1).to(dtype).contiguous(memory_format=torch.channels_last)
+    mean, var = torch.zeros(C), torch.full((C,), 1 - 1e-5)
+    w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
+    r = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last) if residual else None
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, 0.0, False)
+    dy = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dx, dw, db, dr = ops.bn_backward(y, dy, mask, var, w, b, r, 1e-5, act, 0.0, False, True,
+                                         [True, True, True, residual])
+    assert "inplace_abn::bn_backward (input pass from z)" in {e.name for e in prof.events()}
+    s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, 0.0, False)
+    assert torch.equal(db, s_g.to(dtype)) and torch.equal(dw, s_gx.to(dtype))
+    dx_ref, dr_ref = ops.backward_input(y, dy, mask, var, w, b, r, s_g / n, s_gx / n, 1e-5, act, 0.0, False,
+                                        residual)
+    assert dx.dtype == dtype and dx.stride() == y.stride() and torch.isfinite(dx).all()
+    tol = torch.finfo(dtype).eps
+    torch.testing.assert_close(dx.float(), dx_ref.float(), rtol=tol, atol=tol * dx_ref.abs().max().item())
+    if residual:
+        torch.testing.assert_close(dr.float(), dr_ref.float(), rtol=tol, atol=tol * dr_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype):
+    """InPlaceABN with SiLU runs bn_backward's input pass from z on the CPU where its
+    one-pass kernel does not serve y (channels-last here), in every dtype: float32 and
+    float64 keep the inverse in dx's buffer, half precision in a float32 buffer of its own
+    (until 2026-12-05 it inverted twice); its profiler ranges say which pass ran.
+    InPlaceAGN's backward is one operator, gn_backward, which keeps z in its two-pass path
+    in float32/float64 (src/ops/gn_backward.cpp: silu_keeps_z)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
@@ -539,9 +577,7 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype, kept):
         if fmt == torch.contiguous_format:  # the one-pass kernel: gz and zc kept in a buffer, no z tensor
             assert ranges == {"inplace_abn::bn_backward (one pass)"}, ranges
             continue
-        assert ranges == {"inplace_abn::bn_backward (reduce pass)",
-                          "inplace_abn::bn_backward (input pass from z)" if kept
-                          else "inplace_abn::bn_backward (input pass)"}, ranges
+        assert ranges == {"inplace_abn::bn_backward (reduce pass)", "inplace_abn::bn_backward (input pass from z)"}, ranges
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])

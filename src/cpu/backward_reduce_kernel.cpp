@@ -18,7 +18,7 @@ void backward_reduce_t(const KernelArgs& a) {
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   const MaskBits mask = mask_bits(a.mask, MASK);
-  // what backward_input_from_z_ needs of the inverse besides y (SiLU, S = F: the front end checks)
+  // what the input pass from z needs of the inverse besides y (SiLU), in the compute type (half y: a float32 buffer)
   F* zout = ZOUT ? a.z.data_ptr<F>() : nullptr;
   const V p(static_cast<F>(a.param));
   const int64_t C = a.g.C;
@@ -37,7 +37,7 @@ void backward_reduce_t(const KernelArgs& a) {
         if constexpr (ZOUT) {
           V kept;
           z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d, Ac::kIters, &kept);
-          FULL ? kept.store(zout + i) : kept.store(zout + i, cnt);
+          IO<F>::template st<FULL>(zout + i, kept, cnt);
         } else {
           z = Ac::inverse_deriv(io::template ld<FULL>(y + i, cnt), left, p, d);
         }
@@ -67,7 +67,7 @@ void backward_reduce_kernel(const KernelArgs& a) {
     using S = decltype(s);
     constexpr Act A = decltype(act)::value;
     constexpr bool R = decltype(res)::value;
-    if constexpr (A == Act::Silu && std::is_same_v<S, typename IO<S>::F>)
+    if constexpr (A == Act::Silu)  // z in the compute type (a half-precision y's in float32)
       if (a.z.defined()) return backward_reduce_t<S, A, R, true, false>(a);
     if constexpr (A == Act::Identity)  // the ReLU layer's z (kernel.h)
       if (a.relu) return backward_reduce_t<S, A, R, false, true>(a);

@@ -115,7 +115,7 @@ void backward_input_t(const KernelArgs& a) {
   const S* dy = a.dy.const_data_ptr<S>();
   const S* res = RES ? a.residual.const_data_ptr<S>() : nullptr;
   const MaskBits mask = mask_bits(a.mask, A == Act::Silu && !FROMZ);
-  const S* kept = FROMZ ? a.z.const_data_ptr<S>() : nullptr;
+  const F* kept = FROMZ ? a.z.const_data_ptr<F>() : nullptr;  // in the compute type (half y: a float buffer)
   S* dx = a.out1.data_ptr<S>();
   S* dres = a.out2.defined() ? a.out2.data_ptr<S>() : nullptr;
   const V p(static_cast<F>(a.param));
@@ -126,7 +126,7 @@ void backward_input_t(const KernelArgs& a) {
       const V yv = io::template ld<FULL>(y + i, cnt), gv = io::template ld<FULL>(dy + i, cnt);
       V d, z;
       if constexpr (FROMZ) {  // from what backward_reduce kept (backward_input_from_z_)
-        z = Ac::from_kept(yv, io::template ld<FULL>(kept + i, cnt), d);
+        z = Ac::from_kept(yv, IO<F>::template ld<FULL>(kept + i, cnt), d);
       } else {
         const V left = A == Act::Silu ? from_bits<F>(mask(i, cnt)) : V(F(0));
         z = Ac::inverse_deriv(yv, left, p, d);
@@ -153,9 +153,9 @@ void backward_input_kernel_t(const KernelArgs& a) {
     if constexpr (PAIRED && !kPairedRows<A>) {
       TORCH_INTERNAL_ASSERT(false, "inplace_abn: no paired rows walk for this activation");
     } else {
-      if constexpr (A == Act::Silu && std::is_same_v<S, typename IO<S>::F>)
+      if constexpr (A == Act::Silu)
         if (a.from_z) return backward_input_t<S, A, R, true, false, PAIRED>(a);
-      TORCH_CHECK(!a.from_z, "inplace_abn: backward_input_from_z_ is for SiLU in float32/float64");
+      TORCH_CHECK(!a.from_z, "inplace_abn: the input pass from a kept z is for SiLU only");
       if constexpr (A == Act::Identity)  // the ReLU layer's z (kernel.h)
         if (a.relu) return backward_input_t<S, A, R, false, true, PAIRED>(a);
       backward_input_t<S, A, R, false, false, PAIRED>(a);

@@ -21,17 +21,18 @@ std::array<ChannelInput, 5> input_args(const at::Tensor& y, const Groups& grp, c
 
 // a = g~ r, b = -r k mean_gz_xhat, c0 = -g~ r k mean_gz (rows of kernel.h's InputRow), k = sums_scale.
 // GroupNorm passes the (N, G) means of g~ gz and g~ gz xhat: BatchNorm's means times g~_c.
-void input_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu, bool from_z,
-                const at::Tensor& mask, const std::array<ChannelInput, 5>& in, bool has_weight, const at::Tensor& res,
+void input_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu,
+                const at::Tensor& kept, const at::Tensor& mask, const std::array<ChannelInput, 5>& in, bool has_weight, const at::Tensor& res,
                 double eps, Act act, double param, bool signed_weight, double sums_scale, const at::Tensor& dx,
                 const at::Tensor& dres, const Geometry& g) {
   const at::Tensor yv = grp.view(y), dxv = grp.view(dx);
+  const bool from_z = kept.defined();
   const at::Tensor coef =
       coef_table<Table::Input>(yv, in, {.eps = eps, .has_weight = has_weight, .signed_weight = signed_weight,
                                         .groupnorm = grp.G > 0, .sums_scale = sums_scale}, grp.columns(y));
   grp.run(backward_input_stub,
           {.x = yv, .dy = grp.view(gy), .residual = grp.view(res), .mask = from_z ? at::Tensor() : mask,
-           .coef = coef, .out1 = dxv, .out2 = grp.view(dres), .z = from_z ? dxv : at::Tensor(), .from_z = from_z,
+           .coef = coef, .out1 = dxv, .out2 = grp.view(dres), .z = from_z ? grp.view(kept) : at::Tensor(), .from_z = from_z,
            .relu = kernel_relu, .g = grp.G ? geometry_of(yv, "y") : g, .act = act, .param = param},
           false);
 }
@@ -54,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor> backward_input(const at::Tensor& y, const at:
   if (y.numel() == 0) return {dx, dres};
   c10::OptionalDeviceGuard guard(y.device());
   const TableGuard table_guard;  // (after the outputs: they must stay normal tensors)
-  input_pass(grp, y, like(gy, y), kernel_relu, false, mask, in, weight.has_value(), like(residual, y), eps, act,
+  input_pass(grp, y, like(gy, y), kernel_relu, at::Tensor(), mask, in, weight.has_value(), like(residual, y), eps, act,
              activation_param, signed_weight, sums_scale, dx, residual_grad ? dres : at::Tensor(), g);
   return {dx, dres};
 }
@@ -78,7 +79,7 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
   at::Tensor dres = residual_grad ? new_like(y) : new_empty({0}, y.options());
   if (y.numel() == 0) return dres;
   const TableGuard table_guard;
-  input_pass(grp, y, like(dy, y), false, true, at::Tensor(), in, weight.has_value(), like(residual, y), eps, act,
+  input_pass(grp, y, like(dy, y), false, z, at::Tensor(), in, weight.has_value(), like(residual, y), eps, act,
              activation_param, signed_weight, sums_scale, z, residual_grad ? dres : at::Tensor(), g);
   return dres;
 }

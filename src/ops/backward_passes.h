@@ -20,10 +20,11 @@ void reduce_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, b
                  double eps, Act act, double param, bool signed_weight, const at::Tensor& z, const at::Tensor& sum_gz,
                  const at::Tensor& sum_gz_xhat);
 
-// The input pass: dx into dx, gz into dres when defined. from_z: dx holds what the reduce pass kept in z, read
-// before dx is written over it. g: y's geometry (BatchNorm; GroupNorm takes that of the view).
-void input_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu, bool from_z,
-                const at::Tensor& mask, const std::array<ChannelInput, 5>& in, bool has_weight, const at::Tensor& res,
+// The input pass: dx into dx, gz into dres when defined. kept, when defined: what the reduce pass kept in its z, in
+// the compute type (y's shape and layout), read before dx is written (kept may be dx itself, float32 / float64).
+// g: y's geometry (BatchNorm; GroupNorm takes that of the view).
+void input_pass(const Groups& grp, const at::Tensor& y, const at::Tensor& gy, bool kernel_relu,
+                const at::Tensor& kept, const at::Tensor& mask, const std::array<ChannelInput, 5>& in, bool has_weight, const at::Tensor& res,
                 double eps, Act act, double param, bool signed_weight, double sums_scale, const at::Tensor& dx,
                 const at::Tensor& dres, const Geometry& g);
 

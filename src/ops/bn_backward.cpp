@@ -55,8 +55,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
   const bool reduce = need_w || need_b || (training && (need_x || need_r));
   const bool input = need_x || need_r;
   // SiLU on the CPU: the reduce pass keeps its inverse (z, or h = z / y), the input pass starts from it and y and
-  // writes dx over it
+  // writes dx over it; half precision keeps it apart, in float32
   const bool keep_z = reduce && need_x && silu_keeps_z(y, activation);
+  const bool keep_apart = reduce && need_x && silu_keeps_z_apart(y, activation);
   // training: the kernel scales the raw sums by 1/n; eval: the statistics are constants
   const double scale = training && count ? 1.0 / static_cast<double>(count) : 0.0;
 
@@ -95,18 +96,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
   } else if (y.numel()) {
     const TableGuard table_guard;
     const at::Tensor gyl = like(gy, y), res = like(residual, y);
+    const at::Tensor kept = keep_z ? dx : keep_apart ? new_like(y, acc_type_of(y.scalar_type())) : at::Tensor();
     // (profiler ranges: a profile shows the passes; tests/test_launches.py counts them)
     if (reduce) {
       RECORD_FUNCTION("inplace_abn::bn_backward (reduce pass)", std::vector<c10::IValue>());
       reduce_pass(grp, y, gyl, kernel_relu, mask, weight, bias, res, eps, act, activation_param, signed_weight,
-                  keep_z ? dx : at::Tensor(), sum_gz, sum_gzx);
+                  kept, sum_gz, sum_gzx);
     }
     if (input) {
-      RECORD_FUNCTION(keep_z ? "inplace_abn::bn_backward (input pass from z)" : "inplace_abn::bn_backward (input pass)",
+      RECORD_FUNCTION(kept.defined() ? "inplace_abn::bn_backward (input pass from z)"
+                                     : "inplace_abn::bn_backward (input pass)",
                       std::vector<c10::IValue>());
       const auto in = input_args(y, grp, var, weight, bias, reduce ? OptTensor(sum_gz) : std::nullopt,
                                  reduce ? OptTensor(sum_gzx) : std::nullopt, scale);
-      input_pass(grp, y, gyl, kernel_relu, keep_z, mask, in, weight.has_value(), res, eps, act, activation_param,
+      input_pass(grp, y, gyl, kernel_relu, kept, mask, in, weight.has_value(), res, eps, act, activation_param,
                  signed_weight, scale, dx, dres, g);
     }
   }

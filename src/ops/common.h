@@ -105,6 +105,13 @@ inline bool silu_keeps_z(const at::Tensor& y, int64_t act) {
          (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
 }
 
+// Half-precision SiLU on the CPU: bn_backward's two passes keep the inverse in a float32 buffer of its own (the
+// compute type; y's dtype would round it), a transient of twice dx's size, not saved memory (section 7.2).
+inline bool silu_keeps_z_apart(const at::Tensor& y, int64_t act) {
+  return act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
+         (y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf);
+}
+
 // The kernels read contiguous or channels-last memory without copies; the caller makes anything else contiguous.
 inline bool is_channels_last(const at::Tensor& x) {
   return !x.is_contiguous() && ((x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
