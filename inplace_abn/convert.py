@@ -487,16 +487,19 @@ def _convert_members(module: nn.Module, qual: str, job: _Job, why: str, reach_al
         inside = reached is None or name in reached or (not container and f"{name}[]" in reached)
         if analysis.is_norm(child):
             job.report.left.append(LeftLayer(child_qual, f"called by a forward kept as Python code: {why}"))
-        elif container:  # (its items are called by module's code)
+            continue
+        if container:  # (its items are called by module's code)
             _convert_members(child, child_qual, job, why, reach_all=inside, outer=outer, writes=writes,
                              key=key or name)
-        elif inside:
+            continue
+        # why the code calling the child may write what it returns in place
+        written = outer or writes.get(key or name) or writes.get("*")
+        if inside:
             _convert_children(child, child_qual, job, f"the code of {qual or 'the model'} "
                                                       f"({type(module).__name__}) may use the submodules of "
-                                                      f"{child_qual} directly",
-                              outer or writes.get(key or name) or writes.get("*"))
+                                                      f"{child_qual} directly", written)
         else:
-            new = _convert_once(child, child_qual, job, outer or writes.get(key or name) or writes.get("*"))
+            new = _convert_once(child, child_qual, job, written)
             if new is not child:
                 setattr(module, name, new)
 
