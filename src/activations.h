@@ -14,12 +14,19 @@
 #define IABN_HD inline
 #endif
 
-// With AVX2, GCC calls the SiLU inverse out of line from the unrolled planar reduction (a call per vector, vectors
-// through memory): forced inline there (backward_reduce SiLU 11.1 -> 8.6 ms); AVX512 inlines it anyway.
+// GCC calls the SiLU inverse out of line where a file's kernels call it from many places (a call per vector, the
+// vectors through memory). AVX2: forced inline everywhere (backward_reduce SiLU 11.1 -> 8.6 ms). AVX512: the table
+// inverse only, in the files that define IABN_INLINE_SILU_INVERSE before any include (the one-pass backward
+// kernels: bfloat16 16x512x7x7 layer 0.87x as long); forced in the two-pass kernels too, it cost up to 9%.
 #if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
 #define IABN_SILU_INVERSE_INLINE __attribute__((always_inline))
+#define IABN_SILU_TABLE_INLINE __attribute__((always_inline))
+#elif defined(CPU_CAPABILITY_AVX512) && defined(IABN_INLINE_SILU_INVERSE) && defined(__GNUC__)
+#define IABN_SILU_INVERSE_INLINE
+#define IABN_SILU_TABLE_INLINE __attribute__((always_inline))
 #else
 #define IABN_SILU_INVERSE_INLINE
+#define IABN_SILU_TABLE_INLINE
 #endif
 
 namespace inplace_abn {
@@ -254,7 +261,7 @@ struct Activation<Act::Silu, M> {
 
   // z = f^-1(y) on the branch `left` (0/1) and d = f'(z); with `kept`, also what from_kept needs besides y to
   // give z and d again: h where the table applies (z = y h and d as here, bitwise), z coded (above) elsewhere.
-  static IABN_HD IABN_SILU_INVERSE_INLINE T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters,
+  static IABN_HD IABN_SILU_TABLE_INLINE T inverse_deriv(T y_in, T left, T, T& dfdz, int iters = kIters,
                                                           T* kept = nullptr) {
     if constexpr (M::kSiluTable) {
       T h;

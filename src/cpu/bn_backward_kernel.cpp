@@ -5,6 +5,7 @@
 // src/ops/bn_backward.cpp). SiLU and ELU keep gz and zc in a per-thread buffer instead of inverting twice (kBuffer,
 // one_pass_backward.h).
 // Each channel's sums are one thread's, in a fixed order: the same bits at any thread count.
+#define IABN_INLINE_SILU_INVERSE  // (src/activations.h)
 #include "cpu/one_pass_backward.h"
 
 namespace inplace_abn {

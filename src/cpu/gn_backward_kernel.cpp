@@ -3,6 +3,7 @@
 // to a per-thread buffer (blocks are L2-sized: gn_backward_fits, src/ops/gn_backward.cpp), its per-channel sums give
 // the group means, and dx = a gz + b zc + c0 is computed from the buffer: the activation is inverted once, and y and
 // dy come from memory once (identity and leaky_relu read them again from the cache, see kBuffer).
+#define IABN_INLINE_SILU_INVERSE  // (src/activations.h)
 #include "cpu/one_pass_backward.h"
 
 namespace inplace_abn {
