@@ -541,14 +541,56 @@ def test_half_precision_silu_backward_keeps_its_inverse_in_float32(dtype, residu
         torch.testing.assert_close(dr.float(), dr_ref.float(), rtol=tol, atol=tol * dr_ref.abs().max().item())
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_groupnorm_silu_backward_keeps_its_inverse_in_float32(dtype, residual):
+    """gn_backward's two-pass path in half precision (channels-last, C < 16) keeps the inverse
+    in a float32 buffer between its passes, as bn_backward's (above): over the whole range of
+    z, the sums bitwise those of the inverting operators (gn_backward_reduce: the reduce pass's
+    arithmetic is unchanged), dx and dresidual as gn_backward_input's from the same group
+    means within one half-precision rounding."""
+    ops, act, G, eps = torch.ops.inplace_abn, _activation.SILU, 2, 1e-5
+    values = torch.cat([torch.linspace(-95.0, -3.0, 101), torch.linspace(-3.0, 0.0, 97),
+                        torch.tensor([-1.2784645427610738, 0.0, -0.0]), torch.linspace(0.0, 8.0, 61),
+                        torch.linspace(8.0, 40.0, 53), torch.tensor([60.0, 100.0])])
+    shape = (2, 4, 8, 8)
+    N, C = shape[:2]
+    g = torch.Generator().manual_seed(12)
+    x = values[torch.arange(x_n := torch.Size(shape).numel()) % values.numel()][torch.randperm(x_n, generator=g)]
+    x = x.view(shape).to(dtype).contiguous(memory_format=torch.channels_last)
+    mean, var = torch.zeros(N, G), torch.full((N, G), 1 - eps)
+    w, b = torch.rand(C, generator=g).add(0.5).to(dtype), torch.zeros(C, dtype=dtype)
+    r = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last) if residual else None
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, eps, act, 0.0, False, None, G)
+    dy = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dx, dr, s_g, s_gx = ops.gn_backward(y, dy, mask, var, w, b, r, G, eps, act, 0.0, False, residual)
+    assert "inplace_abn::gn_backward (input pass from z)" in {e.name for e in prof.events()}
+    r_g, r_gx = ops.gn_backward_reduce(y, dy, mask, w, b, r, eps, act, 0.0, False)
+    assert torch.equal(s_g, r_g.sum(0)) and torch.equal(s_gx, r_gx.sum(0))
+    gain = _activation.effective_weight(w.to(r_g.dtype), eps, False)
+    m = y.numel() // (N * G)
+    mean_ggz = (r_g * gain).view(N, G, C // G).sum(2) / m
+    mean_ggzx = (r_gx * gain).view(N, G, C // G).sum(2) / m
+    dx_ref, dr_ref = ops.gn_backward_input(y, dy, mask, var, w, b, r, mean_ggz, mean_ggzx, eps, act, 0.0, False,
+                                           residual)
+    assert dx.dtype == dtype and dx.stride() == y.stride() and torch.isfinite(dx).all()
+    tol = torch.finfo(dtype).eps
+    torch.testing.assert_close(dx.float(), dx_ref.float(), rtol=tol, atol=tol * dx_ref.abs().max().item())
+    if residual:
+        torch.testing.assert_close(dr.float(), dr_ref.float(), rtol=tol, atol=tol * dr_ref.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
 def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype):
     """InPlaceABN with SiLU runs bn_backward's input pass from z on the CPU where its
     one-pass kernel does not serve y (channels-last here), in every dtype: float32 and
     float64 keep the inverse in dx's buffer, half precision in a float32 buffer of its own
     (until 2026-12-05 it inverted twice); its profiler ranges say which pass ran.
-    InPlaceAGN's backward is one operator, gn_backward, which keeps z in its two-pass path
-    in float32/float64 (src/ops/gn_backward.cpp: silu_keeps_z)."""
+    InPlaceAGN's backward is one operator, gn_backward, whose two-pass path (channels-last
+    with C < 16 here) keeps the inverse likewise (half precision: until 2026-12-06 it
+    inverted twice); its one-pass kernel keeps gz and zc per block."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
@@ -569,15 +611,13 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype):
         x0 = x0.detach().contiguous(memory_format=fmt).requires_grad_()
         with Calls() as calls, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             layer(x0 * 1).sum().backward()
-        if isinstance(layer, inplace_abn.InPlaceAGN):
-            assert "inplace_abn::gn_backward" in calls.names and "inplace_abn::backward_reduce" not in calls.names
-            continue
-        assert "inplace_abn::bn_backward" in calls.names, calls.names
-        ranges = {e.name for e in prof.events() if e.name.startswith("inplace_abn::bn_backward (")}
+        op = "gn_backward" if isinstance(layer, inplace_abn.InPlaceAGN) else "bn_backward"
+        assert f"inplace_abn::{op}" in calls.names and "inplace_abn::backward_reduce" not in calls.names, calls.names
+        ranges = {e.name for e in prof.events() if e.name.startswith(f"inplace_abn::{op} (")}
         if fmt == torch.contiguous_format:  # the one-pass kernel: gz and zc kept in a buffer, no z tensor
-            assert ranges == {"inplace_abn::bn_backward (one pass)"}, ranges
+            assert ranges == {f"inplace_abn::{op} (one pass)"}, ranges
             continue
-        assert ranges == {"inplace_abn::bn_backward (reduce pass)", "inplace_abn::bn_backward (input pass from z)"}, ranges
+        assert ranges == {f"inplace_abn::{op} (reduce pass)", f"inplace_abn::{op} (input pass from z)"}, ranges
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])

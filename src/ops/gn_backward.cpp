@@ -1,9 +1,11 @@
 // inplace_abn::gn_backward: the backward of the GroupNorm layer from its output (docs/DESIGN.md section 10): dx,
 // dresidual and the per-channel sums over the batch of gz and gz xhat. A CPU y whose blocks ((sample, group) when
 // contiguous, samples when channels-last) fit the kernel's buffers takes one pass over memory
-// (src/cpu/gn_backward_kernel.cpp); other shapes and devices run backward_reduce, the group means and
-// backward_input, which read y and dy twice.
-#include "ops/common.h"
+// (src/cpu/gn_backward_kernel.cpp); other shapes and devices run the reduce pass, the group means and the input
+// pass (src/ops/backward_passes.h), which read y and dy twice.
+#include <ATen/record_function.h>
+
+#include "ops/backward_passes.h"
 #include "ops/ops.h"
 
 namespace inplace_abn {
@@ -25,31 +27,44 @@ bool gn_backward_fits(const at::Tensor& y, int64_t groups) {
   return y.is_contiguous() && P >= 16 && (C / groups) * P <= kGnBackwardMaxBlock;
 }
 
-// Other shapes and devices: backward_reduce's (N, C) sums, their group means, then
-// backward_input (keeping the inverse between the two where silu_keeps_z).
+// Other shapes and devices: the reduce pass's (N, C) sums, their group means, then the input pass; SiLU on the CPU
+// keeps its inverse between the two (in dx's buffer, or apart in float32 for half precision: section 7.2).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
-    const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var, const OptTensor& weight,
-    const OptTensor& bias, const OptTensor& residual, int64_t G, double eps, int64_t activation, double param,
+    const Groups& grp, const at::Tensor& y, const at::Tensor& dy, const at::Tensor& mask, const at::Tensor& var,
+    const OptTensor& weight, const OptTensor& bias, const OptTensor& residual, double eps, Act act, double param,
     bool signed_weight, bool residual_grad) {
-  const bool keep_z = silu_keeps_z(y, activation);
-  const at::Tensor z = keep_z ? new_like(y) : at::Tensor();
-  const auto [s_gz, s_gzx] = backward_reduce(y, dy, mask, weight, bias, residual, eps, activation, param,
-                                             signed_weight, keep_z ? OptTensor(z) : std::nullopt, 1, false);
-  const int64_t N = y.size(0), C = y.size(1), m = y.numel() / (N * G);  // m: elements per (n, group)
-  // g~ per channel: the gain row of backward_reduce's table
-  const at::Tensor g = coef_table<Table::Reduce>(y, {ChannelInput{std::nullopt, 0.0}, ChannelInput{weight, 1.0}},
-                                                 {.eps = eps, .has_weight = weight.has_value(),
-                                                  .signed_weight = signed_weight})[kRedGain];
-  // group means of g~ gz and g~ gz xhat, per sample (N, G)
-  const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
-  const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
-  at::Tensor dx = z, dres;
-  if (keep_z)
-    dres = backward_input_from_z_(z, y, dy, var, weight, bias, residual, mean_ggz, mean_ggzx, eps, activation, param,
-                                  signed_weight, residual_grad, 1.0, G);
-  else
-    std::tie(dx, dres) = backward_input(y, dy, mask, var, weight, bias, residual, mean_ggz, mean_ggzx, eps,
-                                        activation, param, signed_weight, residual_grad, 1.0, G, false);
+  const int64_t N = y.size(0), C = y.size(1), G = grp.G, m = y.numel() / (N * G);  // m: elements per (n, group)
+  const int64_t activation = static_cast<int64_t>(act);
+  const auto acc = y.options().dtype(acc_type_of(y.scalar_type()));
+  c10::OptionalDeviceGuard guard(y.device());
+  // the outputs first: they must stay normal tensors, not the TableGuard's
+  const at::Tensor s_gz = new_empty({N, C}, acc), s_gzx = new_empty({N, C}, acc);
+  const at::Tensor dx = new_like(y);
+  const at::Tensor dres = residual_grad ? new_like(y) : new_empty({0}, y.options());
+  {
+    const TableGuard table_guard;
+    const at::Tensor kept = silu_keeps_z(y, activation)         ? dx
+                            : silu_keeps_z_apart(y, activation) ? new_like(y, acc_type_of(y.scalar_type()))
+                                                                : at::Tensor();
+    const at::Tensor res = like(residual, y);
+    {  // (profiler ranges, as bn_backward's: a profile shows the passes)
+      RECORD_FUNCTION("inplace_abn::gn_backward (reduce pass)", std::vector<c10::IValue>());
+      reduce_pass(grp, y, dy, false, mask, weight, bias, res, eps, act, param, signed_weight, kept, s_gz, s_gzx);
+    }
+    // g~ per channel: the gain row of the reduce pass's table
+    const at::Tensor g = coef_table<Table::Reduce>(y, {ChannelInput{std::nullopt, 0.0}, ChannelInput{weight, 1.0}},
+                                                   {.eps = eps, .has_weight = weight.has_value(),
+                                                    .signed_weight = signed_weight})[kRedGain];
+    // group means of g~ gz and g~ gz xhat, per sample (N, G)
+    const at::Tensor mean_ggz = (s_gz * g).view({N, G, C / G}).sum(2) / m;
+    const at::Tensor mean_ggzx = (s_gzx * g).view({N, G, C / G}).sum(2) / m;
+    RECORD_FUNCTION(kept.defined() ? "inplace_abn::gn_backward (input pass from z)"
+                                   : "inplace_abn::gn_backward (input pass)",
+                    std::vector<c10::IValue>());
+    input_pass(grp, y, dy, false, kept, mask, input_args(y, grp, var, weight, bias, mean_ggz, mean_ggzx, 1.0),
+               weight.has_value(), res, eps, act, param, signed_weight, 1.0, dx,
+               residual_grad ? dres : at::Tensor(), Geometry{});  // (GroupNorm: the pass takes the view's)
+  }
   return {dx, dres, s_gz.sum(0), s_gzx.sum(0)};
 }
 
@@ -63,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
   TORCH_CHECK(groups > 0, "inplace_abn: gn_backward needs groups > 0, got ", groups);
   const Groups grp(y, groups);
   if (y.numel() > 0 && !gn_backward_fits(y, groups))
-    return two_pass(y, like(dy, y), mask, var, weight, bias, residual, groups, eps, activation, activation_param,
+    return two_pass(grp, y, like(dy, y), mask, var, weight, bias, residual, eps, act, activation_param,
                     signed_weight, residual_grad);
   const std::array<ChannelInput, 3> in{grp.param(bias, 0.0, y, "bias"), grp.param(weight, 1.0, y, "weight"),
                                        grp.stat(var, 0.0, y, "var")};
@@ -73,6 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gn_backward(
   if (y.numel() == 0) return {dx, dres, at::zeros({y.size(1)}, opts), at::zeros({y.size(1)}, opts)};
   const at::Tensor sum_gz = new_empty({y.size(1)}, opts), sum_gz_xhat = new_empty({y.size(1)}, opts);
   const TableGuard table_guard;
+  RECORD_FUNCTION("inplace_abn::gn_backward (one pass)", std::vector<c10::IValue>());
   const at::Tensor coef = coef_table<Table::GnBackward>(
       grp.view(y), in, {.eps = eps, .has_weight = weight.has_value(), .signed_weight = signed_weight}, grp.columns(y));
   gn_backward_stub({.x = y, .dy = like(dy, y), .residual = like(residual, y), .mask = mask, .coef = coef,
