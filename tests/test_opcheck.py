@@ -503,6 +503,23 @@ def test_z_path_refuses_what_it_cannot_do():
                                    g, 1e-5, 3, 0.0, False, False)
 
 
+def _silu_z_range():
+    """z from -95 to 100 through both SiLU branches, the minimum z* and signed zeros."""
+    return torch.cat([torch.linspace(-95.0, -3.0, 101), torch.linspace(-3.0, 0.0, 97),
+                      torch.tensor([-1.2784645427610738, 0.0, -0.0]), torch.linspace(0.0, 8.0, 61),
+                      torch.linspace(8.0, 40.0, 53), torch.tensor([60.0, 100.0])])
+
+
+def _assert_within_one_rounding(dx, dx_ref, dr, dr_ref, y):
+    """dx (and dr, unless None) in y's dtype and strides, finite, and within one rounding of
+    that dtype of the references (scaled by their largest magnitude)."""
+    assert dx.dtype == y.dtype and dx.stride() == y.stride() and torch.isfinite(dx).all()
+    tol = torch.finfo(y.dtype).eps
+    for got, ref in ((dx, dx_ref), (dr, dr_ref)):
+        if got is not None:
+            torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_silu_backward_keeps_its_inverse_in_float32(dtype, residual):
@@ -512,9 +529,7 @@ def test_half_precision_silu_backward_keeps_its_inverse_in_float32(dtype, residu
     is unchanged), and dx and dresidual as the inverting backward_input's (the float32 dx
     differs by a few float32 ulp, so the half-precision results by at most one rounding)."""
     ops, act = torch.ops.inplace_abn, _activation.SILU
-    values = torch.cat([torch.linspace(-95.0, -3.0, 101), torch.linspace(-3.0, 0.0, 97),
-                        torch.tensor([-1.2784645427610738, 0.0, -0.0]), torch.linspace(0.0, 8.0, 61),
-                        torch.linspace(8.0, 40.0, 53), torch.tensor([60.0, 100.0])])
+    values = _silu_z_range()
     shape, C = (2, 4, 8, 8), 4
     n = shape[0] * shape[2] * shape[3]
     g = torch.Generator().manual_seed(11)
@@ -534,11 +549,7 @@ def test_half_precision_silu_backward_keeps_its_inverse_in_float32(dtype, residu
     assert torch.equal(db, s_g.to(dtype)) and torch.equal(dw, s_gx.to(dtype))
     dx_ref, dr_ref = ops.backward_input(y, dy, mask, var, w, b, r, s_g / n, s_gx / n, 1e-5, act, 0.0, False,
                                         residual)
-    assert dx.dtype == dtype and dx.stride() == y.stride() and torch.isfinite(dx).all()
-    tol = torch.finfo(dtype).eps
-    torch.testing.assert_close(dx.float(), dx_ref.float(), rtol=tol, atol=tol * dx_ref.abs().max().item())
-    if residual:
-        torch.testing.assert_close(dr.float(), dr_ref.float(), rtol=tol, atol=tol * dr_ref.abs().max().item())
+    _assert_within_one_rounding(dx, dx_ref, dr if residual else None, dr_ref, y)
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -550,9 +561,7 @@ def test_half_precision_groupnorm_silu_backward_keeps_its_inverse_in_float32(dty
     arithmetic is unchanged), dx and dresidual as gn_backward_input's from the same group
     means within one half-precision rounding."""
     ops, act, G, eps = torch.ops.inplace_abn, _activation.SILU, 2, 1e-5
-    values = torch.cat([torch.linspace(-95.0, -3.0, 101), torch.linspace(-3.0, 0.0, 97),
-                        torch.tensor([-1.2784645427610738, 0.0, -0.0]), torch.linspace(0.0, 8.0, 61),
-                        torch.linspace(8.0, 40.0, 53), torch.tensor([60.0, 100.0])])
+    values = _silu_z_range()
     shape = (2, 4, 8, 8)
     N, C = shape[:2]
     g = torch.Generator().manual_seed(12)
@@ -575,11 +584,7 @@ def test_half_precision_groupnorm_silu_backward_keeps_its_inverse_in_float32(dty
     mean_ggzx = (r_gx * gain).view(N, G, C // G).sum(2) / m
     dx_ref, dr_ref = ops.gn_backward_input(y, dy, mask, var, w, b, r, mean_ggz, mean_ggzx, eps, act, 0.0, False,
                                            residual)
-    assert dx.dtype == dtype and dx.stride() == y.stride() and torch.isfinite(dx).all()
-    tol = torch.finfo(dtype).eps
-    torch.testing.assert_close(dx.float(), dx_ref.float(), rtol=tol, atol=tol * dx_ref.abs().max().item())
-    if residual:
-        torch.testing.assert_close(dr.float(), dr_ref.float(), rtol=tol, atol=tol * dr_ref.abs().max().item())
+    _assert_within_one_rounding(dx, dx_ref, dr if residual else None, dr_ref, y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
