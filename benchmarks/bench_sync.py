@@ -1,7 +1,8 @@
 """InPlaceABNSync against a straightforward differentiable sync BatchNorm, on gloo.
 
-Measures forward + backward time per step of one layer (leaky_relu, float32)
-on W ranks, and the bytes each method hands to collectives per layer and step:
+Measures forward + backward time per step of one layer (leaky_relu, float32,
+unless --activation / --dtype / --channels-last say otherwise) on W ranks, and
+the bytes each method hands to collectives per layer and step:
 
 - ``InPlaceABNSync``: this package (docs/DESIGN.md section 4): one float64
   all_reduce of 11 + 2C + 1 values forward (an 11-value header that checks C and
@@ -19,6 +20,7 @@ Then prints the per-layer communication of the protocols for world sizes
 all_reduce of 2C backward), whose volume grows with the world size.
 
     python benchmarks/bench_sync.py [--world 2] [--shape 8,64,32,32] [--iters 15]
+                                    [--activation silu] [--dtype bfloat16] [--channels-last]
     torchrun --nproc-per-node 2 benchmarks/bench_sync.py      # same, launched by torchrun
 
 On a CPU machine this measures the backend the package picked (native kernels
@@ -46,39 +48,46 @@ from inplace_abn import InPlaceABN, InPlaceABNSync  # noqa: E402
 from inplace_abn.sync import ABNSync  # noqa: E402
 
 
-class NaiveSyncBN(nn.Module):
-    """Sync BatchNorm + leaky_relu written the obvious way, differentiable end to end."""
+ACTIVATIONS = {"leaky_relu": (lambda y: F.leaky_relu(y, 0.01), lambda: nn.LeakyReLU(0.01, inplace=True)),
+               "silu": (F.silu, lambda: nn.SiLU(inplace=True))}
 
-    def __init__(self, C, eps=1e-5, slope=0.01, group=None):
+
+class NaiveSyncBN(nn.Module):
+    """Sync BatchNorm + activation written the obvious way, differentiable end to end
+    (statistics in float32, whatever the input's dtype)."""
+
+    def __init__(self, C, eps=1e-5, activation="leaky_relu", group=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(C))
         self.bias = nn.Parameter(torch.zeros(C))
-        self.eps, self.slope, self.group = eps, slope, group
+        self.eps, self.act, self.group = eps, ACTIVATIONS[activation][0], group
 
     def forward(self, x):
         from torch.distributed.nn.functional import all_reduce
 
         C = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
-        count = torch.full((1,), x.numel() // C, dtype=x.dtype, device=x.device)
-        s = all_reduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]), group=self.group)
+        xf = x.float()
+        count = torch.full((1,), x.numel() // C, dtype=xf.dtype, device=x.device)
+        s = all_reduce(torch.cat([xf.sum(dims), (xf * xf).sum(dims), count]), group=self.group)
         n = s[-1]
         mean = s[:C] / n
         var = (s[C:2 * C] / n - mean * mean).clamp(min=0)
         shape = (1, C) + (1,) * (x.dim() - 2)
-        y = (x - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape) * self.weight.view(shape) \
+        y = (xf - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape) * self.weight.view(shape) \
             + self.bias.view(shape)
-        return F.leaky_relu(y, self.slope)
+        return self.act(y.to(x.dtype))
 
 
-def make_layers(C, device):
+def make_layers(C, device, activation, dtype):
+    kw = dict(activation=activation, activation_param=0.01 if activation == "leaky_relu" else 0.0)
     return {
-        "InPlaceABNSync": InPlaceABNSync(C, activation="leaky_relu", activation_param=0.01).to(device),
-        "naive": NaiveSyncBN(C).to(device),
-        "ABNSync": ABNSync(C, activation="leaky_relu", activation_param=0.01).to(device),
+        "InPlaceABNSync": InPlaceABNSync(C, **kw).to(device, dtype),
+        "naive": NaiveSyncBN(C, activation=activation).to(device),
+        "ABNSync": ABNSync(C, **kw).to(device, dtype),
         # not synchronised: the compute alone, to tell it from the synchronisation's cost
-        "InPlaceABN local": InPlaceABN(C, activation="leaky_relu", activation_param=0.01).to(device),
-        "stock BN+act local": nn.Sequential(nn.BatchNorm2d(C), nn.LeakyReLU(0.01, inplace=True)).to(device),
+        "InPlaceABN local": InPlaceABN(C, **kw).to(device, dtype),
+        "stock BN+act local": nn.Sequential(nn.BatchNorm2d(C), ACTIVATIONS[activation][1]()).to(device, dtype),
     }
 
 
@@ -101,9 +110,11 @@ def run(rank, world, args):
     shape = tuple(int(s) for s in args.shape.split(","))
     C = shape[1]
     g = torch.Generator().manual_seed(rank)
-    x0 = (torch.randn(shape, generator=g) * 2 + 1).to(device).requires_grad_()
-    dy = torch.randn(shape, generator=g).to(device)
-    layers = make_layers(C, device)
+    dtype = getattr(torch, args.dtype)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    x0 = (torch.randn(shape, generator=g) * 2 + 1).to(device, dtype).contiguous(memory_format=fmt).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(device, dtype).contiguous(memory_format=fmt)
+    layers = make_layers(C, device, args.activation, dtype)
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
 
     # bytes per layer and step (second step: the group's first call sends its header alone first)
@@ -144,8 +155,10 @@ def fmt_bytes(b):
 
 def report(args, world, shape, layers, med, traffic):
     C = shape[1]
-    print(f"backend={inplace_abn._backend.current()} native={inplace_abn.HAS_NATIVE} device={args.device} "
-          f"world={world} per-rank shape={list(shape)} float32 leaky_relu, {args.threads} thread(s)/rank, "
+    isa = f" ({torch.backends.cpu.get_cpu_capability()})" if args.device == "cpu" else ""
+    print(f"backend={inplace_abn._backend.current()} native={inplace_abn.HAS_NATIVE} device={args.device}{isa} "
+          f"world={world} per-rank shape={list(shape)} {args.dtype} {args.activation}"
+          f"{' channels-last' if args.channels_last else ''}, {args.threads} thread(s)/rank, "
           f"median of {args.rounds} rounds x {args.iters} steps")
     base = med[list(layers).index("naive")]
     print(f"\n{'method':<19} {'fwd+bwd ms':>10} {'vs naive':>9}   collectives per layer and step (payload)")
@@ -189,6 +202,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--activation", default="leaky_relu", choices=sorted(ACTIVATIONS))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--channels-last", action="store_true", help="4-d inputs in channels-last memory")
     args = ap.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         backend = "nccl" if args.device == "cuda" else "gloo"
