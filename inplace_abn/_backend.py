@@ -117,16 +117,27 @@ def ops_for(x: torch.Tensor, choice: Optional[str] = None):
 
 
 def silu_keeps_z(y: torch.Tensor, act: int) -> bool:
-    """Whether a native backward on y keeps its inverse z = f^-1(y) (or h = z / y)
-    between its two passes: SiLU, on the CPU with the extension built,
-    float32/float64 (docs/DESIGN.md section 7.2)."""
+    """Whether a native backward on y can keep its inverse z = f^-1(y) (or h = z / y)
+    between its two passes in y's own dtype: SiLU, on the CPU with the extension
+    built, float32/float64 (docs/DESIGN.md section 7.2). The GroupNorm operators'
+    z path (`gn_backward_input_from_z_` writes dx over z) takes these alone; the
+    BatchNorm operators' takes 16-bit y too (`z_buffer`)."""
     return HAS_NATIVE and act == _activation.SILU and y.device.type == "cpu" and y.dtype in (
         torch.float32, torch.float64)
 
 
-def keeps_z(ops, y: torch.Tensor, act: int) -> bool:
-    """`silu_keeps_z` for the BatchNorm backward running ``ops``."""
-    return ops is NATIVE and silu_keeps_z(y, act)
+def z_buffer(ops, y: torch.Tensor, act: int) -> Optional[torch.Tensor]:
+    """The buffer in which the BatchNorm backward running ``ops`` keeps its inverse between
+    its passes (`backward_reduce(..., z_out)`, then `backward_input_from_z_`), or None: SiLU
+    on the CPU with the native operators, y's shape and layout in the compute type (y's
+    dtype; float32 for bfloat16 / float16, whose dx then goes to a tensor of its own)."""
+    if ops is not NATIVE or not HAS_NATIVE or act != _activation.SILU or y.device.type != "cpu":
+        return None
+    if y.dtype in (torch.float32, torch.float64):
+        return torch.empty_like(y)
+    if y.dtype in (torch.bfloat16, torch.float16):
+        return torch.empty_like(y, dtype=torch.float32)
+    return None
 
 
 def _register_fakes():
@@ -190,8 +201,8 @@ def _register_fakes():
 
     @torch.library.register_fake("inplace_abn::backward_input_from_z_")
     def _(z, y, dy, var, weight, bias, residual, mean_gz, mean_gzx, eps, activation, activation_param, signed_weight,
-          residual_grad, sums_scale=1.0, groups=0):
-        return torch.empty_like(z) if residual_grad else z.new_empty(0)
+          residual_grad, sums_scale=1.0, groups=0, dx_out=None):
+        return torch.empty_like(y) if residual_grad else y.new_empty(0)
 
     @torch.library.register_fake("inplace_abn::gn_backward")
     def _(y, dy, mask, var, weight, bias, residual, groups, eps, activation, activation_param, signed_weight,

@@ -345,7 +345,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
         reduce = need_wb or (training and (need_x or need_r)) or synced
         # SiLU on the CPU: the reduce pass keeps its inverse (z, or h = z / y), the
         # input pass starts from it and y (docs/DESIGN.md section 7.2)
-        z = torch.empty_like(y) if reduce and need_x and _backend.keeps_z(ops, y, act) else None
+        z = _backend.z_buffer(ops, y, act) if reduce and need_x else None
         if reduce:
             extra = () if z is None else (z,)
             sum_gz, sum_gzx = ops.backward_reduce(y, dy, mask, weight, bias, residual, eps, act, p, signed, *extra,
@@ -365,9 +365,10 @@ class _InPlaceABNFunction(torch.autograd.Function):
             if z is None:
                 dx, dr = ops.backward_input(y, dy, mask, var, weight, bias, residual, g_gz, g_gzx, eps, act, p,
                                             signed, need_r, scale, **relu)
-            else:
-                dx, dr = z, ops.backward_input_from_z_(z, y, dy, var, weight, bias, residual, g_gz, g_gzx, eps, act,
-                                                       p, signed, need_r, scale)
+            else:  # dx over z, or (16-bit y, z in float32) into a tensor of y's dtype
+                dx = z if z.dtype == y.dtype else torch.empty_like(y)
+                dr = ops.backward_input_from_z_(z, y, dy, var, weight, bias, residual, g_gz, g_gzx, eps, act, p,
+                                                signed, need_r, scale, dx_out=None if dx is z else dx)
             dx = dx.to(dtype) if need_x else None
             dr = dr.to(dtype) if need_r else None
         elif synced:

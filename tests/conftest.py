@@ -37,6 +37,17 @@ def backend(request):
         yield request.param
 
 
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of this process alone: the synchronised layers' real path."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     # Two threads: the CI machine's cores, and a fixed count for reproducibility.

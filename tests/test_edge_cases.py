@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.distributed as dist
 import torch.nn as nn
 
 from inplace_abn import ABN, HAS_NATIVE, InPlaceABN, InPlaceABNSync, inplace_abn, inplace_abn_sync
@@ -350,14 +349,6 @@ def test_empty_batch_functional(backend):
     out = inplace_abn(x, None, None, rm, rv, True, 0.1, 1e-5, "leaky_relu", 0.01)
     assert out.shape == (0, 3, 5)
     assert torch.equal(rm, torch.zeros(3)) and torch.equal(rv, torch.ones(3))
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_empty_batch_on_every_rank_synchronised(backend, world_of_one):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import inplace_abn
 from inplace_abn import _activation, _pure
@@ -26,6 +27,22 @@ def _args(act, fmt, residual, dtype=torch.float32, training=True, shape=(3, 5, 4
         mean, var = torch.randn(C, generator=g) * 0.1, torch.rand(C, generator=g) + 0.5
     p = {_activation.LEAKY_RELU: 0.1, _activation.ELU: 1.0}.get(act, 0.0)
     return x, mean, var, w, b, r, p
+
+
+class OpCalls(TorchDispatchMode):
+    """The operator calls that reach the dispatcher below autograd: (name, args, kwargs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    @property
+    def names(self):
+        return [name for name, _, _ in self.calls]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.name(), args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 ACTS = [_activation.IDENTITY, _activation.LEAKY_RELU, _activation.ELU, _activation.SILU]
@@ -438,6 +455,36 @@ def test_opcheck_silu_backward_from_z(dtype, fmt, residual):
         torch.testing.assert_close(dr, dr_ref, rtol=0, atol=tol * dr_ref.abs().max().item())
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_opcheck_half_precision_silu_backward_from_z(dtype, fmt, residual):
+    """The same operators for a 16-bit y, as the synchronised layer runs them: backward_reduce
+    keeps the inverse in a float32 z_out (the sums bitwise those without it), and
+    backward_input_from_z_ reads it and writes dx into dx_out (y's dtype), leaving z as it
+    was; dx and dresidual within one half-precision rounding of the inverting backward_input's
+    (docs/DESIGN.md section 7.2). Schemas and fakes by opcheck, dx_out mutated."""
+    ops, act = torch.ops.inplace_abn, _activation.SILU
+    x, mean, var, w, b, r, p = _args(act, fmt, residual, dtype=dtype)
+    y = x.clone()
+    mask = ops.forward_(y, mean, var, w, b, r, 1e-5, act, p, True)
+    dy = torch.randn_like(y)
+    z = torch.empty_like(y, dtype=torch.float32)
+    torch.library.opcheck(ops.backward_reduce.default, (y, dy, mask, w, b, r, 1e-5, act, p, True, z))
+    s_g, s_gx = ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, True, z)
+    for got, want in zip((s_g, s_gx), ops.backward_reduce(y, dy, mask, w, b, r, 1e-5, act, p, True)):
+        assert torch.equal(got, want)
+    n = x.numel() // x.shape[1]
+    args = (y, dy, var, w, b, r, s_g / n, s_gx / n, 1e-5, act, p, True, residual)
+    torch.library.opcheck(ops.backward_input_from_z_.default, (z.clone(),) + args,
+                          {"dx_out": torch.empty_like(y)})
+    dx_ref, dr_ref = ops.backward_input(y, dy, mask, var, w, b, r, *args[6:])
+    kept, dx = z.clone(), torch.empty_like(y)
+    dr = ops.backward_input_from_z_(z, *args, dx_out=dx)
+    assert torch.equal(z, kept)  # read only
+    _assert_within_one_rounding(dx, dx_ref, dr if residual else None, dr_ref, y)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_silu_backward_from_z_across_the_range(dtype, fmt):
@@ -487,18 +534,29 @@ def test_z_path_refuses_what_it_cannot_do():
     ops = torch.ops.inplace_abn
     x, mean, var, w, b, _, _ = _args(_activation.SILU, torch.contiguous_format, False, dtype=torch.bfloat16)
     mask = ops.forward_(x, mean, var, w, b, None, 1e-5, 3, 0.0, False)
-    with pytest.raises(RuntimeError, match="float32 or float64"):
+    with pytest.raises(RuntimeError, match=r"compute type \(Float for a BFloat16 y\)"):
         ops.backward_reduce(x, torch.randn_like(x), mask, w, b, None, 1e-5, 3, 0.0, False, torch.empty_like(x))
+    g = torch.zeros(x.shape[1])
+    z16 = torch.empty_like(x, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="pass dx_out"):
+        ops.backward_input_from_z_(z16, x, torch.randn_like(x), var.float(), w, b, None, g, g, 1e-5, 3, 0.0, False,
+                                   False)
+    with pytest.raises(RuntimeError, match="dx_out must have y's shape, strides, dtype"):
+        ops.backward_input_from_z_(z16, x, torch.randn_like(x), var.float(), w, b, None, g, g, 1e-5, 3, 0.0, False,
+                                   False, dx_out=torch.empty_like(z16))
+    dy16 = torch.randn_like(x)
+    with pytest.raises(RuntimeError, match="must not share memory with y, z or dy"):
+        ops.backward_input_from_z_(z16, x, dy16, var.float(), w, b, None, g, g, 1e-5, 3, 0.0, False, False,
+                                   dx_out=dy16)
     y = x.float()
     with pytest.raises(RuntimeError, match="SiLU backward only"):
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 1, 0.1, False, torch.empty_like(y))
-    with pytest.raises(RuntimeError, match="shape, strides and dtype"):
+    with pytest.raises(RuntimeError, match="shape and strides and y's compute type"):
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 3, 0.0, False, torch.empty(3))
-    g = torch.zeros(y.shape[1])
     with pytest.raises(RuntimeError, match="must not share y's memory"):
         ops.backward_input_from_z_(y, y, torch.randn_like(y), var.float(), w, b, None, g, g, 1e-5, 3, 0.0, False,
                                    False)
-    with pytest.raises(RuntimeError, match="shape, strides and dtype"):
+    with pytest.raises(RuntimeError, match="shape and strides and y's compute type"):
         ops.backward_input_from_z_(torch.empty_like(y).double(), y, torch.randn_like(y), var.float(), w, b, None, g,
                                    g, 1e-5, 3, 0.0, False, False)
 
@@ -596,17 +654,6 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype):
     InPlaceAGN's backward is one operator, gn_backward, whose two-pass path (channels-last
     with C < 16 here) keeps the inverse likewise (half precision: until 2026-12-06 it
     inverted twice); its one-pass kernel keeps gz and zc per block."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.name())
-            return func(*args, **(kwargs or {}))
-
     x0 = torch.randn(2, 8, 4, 4, dtype=dtype, requires_grad=True)
     for layer, fmt in [(inplace_abn.InPlaceABN(8, activation="silu"), torch.contiguous_format),
                        (inplace_abn.InPlaceABN(8, activation="silu"), torch.channels_last),
@@ -614,7 +661,7 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype):
                        (inplace_abn.InPlaceAGN(4, 8, activation="silu"), torch.channels_last)]:
         layer = layer.to(dtype)
         x0 = x0.detach().contiguous(memory_format=fmt).requires_grad_()
-        with Calls() as calls, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with OpCalls() as calls, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             layer(x0 * 1).sum().backward()
         op = "gn_backward" if isinstance(layer, inplace_abn.InPlaceAGN) else "bn_backward"
         assert f"inplace_abn::{op}" in calls.names and "inplace_abn::backward_reduce" not in calls.names, calls.names
@@ -623,6 +670,35 @@ def test_layers_take_the_z_path_for_silu_on_the_cpu(dtype):
             assert ranges == {f"inplace_abn::{op} (one pass)"}, ranges
             continue
         assert ranges == {f"inplace_abn::{op} (reduce pass)", f"inplace_abn::{op} (input pass from z)"}, ranges
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_synchronised_layer_keeps_the_silu_inverse(dtype, world_of_one):
+    """InPlaceABNSync with SiLU on the CPU (a gloo group of one process) runs backward_reduce
+    with z_out, its all-reduce, then backward_input_from_z_, in every dtype: a 16-bit y keeps
+    z in float32 and gets dx through dx_out (until 2026-12-06 it inverted twice); the same
+    input gradient as the local layer (which runs bn_backward) within one rounding of the
+    dtype, since the two paths scale the sums at different points."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(4, 6, 5, 5, generator=g, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(x0.shape, generator=g, dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+    def run(cls):
+        layer = cls(6, activation="silu").to(dtype)
+        x = x0.clone().requires_grad_()
+        with OpCalls() as seen:
+            layer(x * 1).backward(dy)
+        return x.grad, seen.calls
+
+    dx_sync, calls = run(inplace_abn.InPlaceABNSync)
+    dx_local, _ = run(inplace_abn.InPlaceABN)
+    names = [n for n, _, _ in calls]
+    assert "inplace_abn::backward_input_from_z_" in names and "inplace_abn::backward_input" not in names, names
+    args, kwargs = next((a, k) for n, a, k in calls if n == "inplace_abn::backward_reduce")
+    z = args[10] if len(args) > 10 else kwargs["z_out"]
+    assert z.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = 8 * torch.finfo(dtype).eps if dtype in (torch.float32, torch.float64) else torch.finfo(dtype).eps
+    torch.testing.assert_close(dx_sync.float(), dx_local.float(), rtol=tol, atol=tol * dx_local.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])

@@ -1,6 +1,6 @@
 // inplace_abn::backward_input: dx = g~ r (gz - k mean_gz - xhat k mean_gz_xhat), k = sums_scale, and gz (the
 // residual's gradient) when asked; backward_input_from_z_: the same from y and what backward_reduce kept of
-// z = f^-1(y) (docs/DESIGN.md section 7.2), dx written over it.
+// z = f^-1(y) (docs/DESIGN.md section 7.2), dx written over it or into dx_out.
 // Kernels: src/cpu/backward_input_kernel.cpp, src/cuda/backward_input_kernel.cu.
 #include "ops/backward_passes.h"
 #include "ops/ops.h"
@@ -65,12 +65,22 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
                                   const OptTensor& residual, const at::Tensor& mean_gz,
                                   const at::Tensor& mean_gz_xhat, double eps, int64_t activation,
                                   double activation_param, bool signed_weight, bool residual_grad, double sums_scale,
-                                  int64_t groups) {
+                                  int64_t groups, const OptTensor& dx_out) {
   check_input(y, "y");
   const Act act = to_act(activation);
   check_z(z, y, act, "z");
-  TORCH_CHECK(!z.is_alias_of(y),
-              "inplace_abn: backward_input_from_z_ writes dx over z, which must not share y's memory");
+  if (dx_out.has_value()) {
+    TORCH_CHECK(dx_out->sizes() == y.sizes() && dx_out->strides() == y.strides() &&
+                    dx_out->scalar_type() == y.scalar_type() && dx_out->device() == y.device(),
+                "inplace_abn: backward_input_from_z_'s dx_out must have y's shape, strides, dtype and device");
+    TORCH_CHECK(!dx_out->is_alias_of(y) && !dx_out->is_alias_of(z) && !dx_out->is_alias_of(dy),
+                "inplace_abn: backward_input_from_z_'s dx_out must not share memory with y, z or dy");
+  } else {
+    TORCH_CHECK(z.scalar_type() == y.scalar_type(), "inplace_abn: backward_input_from_z_ writes dx over z, which a ",
+                y.scalar_type(), " y keeps in ", z.scalar_type(), ": pass dx_out (y's dtype) for dx");
+    TORCH_CHECK(!z.is_alias_of(y),
+                "inplace_abn: backward_input_from_z_ writes dx over z, which must not share y's memory");
+  }
   check_like(dy, y, "dy");
   check_like(residual, y, "residual");
   const Groups grp(y, groups);
@@ -80,7 +90,7 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
   if (y.numel() == 0) return dres;
   const TableGuard table_guard;
   input_pass(grp, y, like(dy, y), false, z, at::Tensor(), in, weight.has_value(), like(residual, y), eps, act,
-             activation_param, signed_weight, sums_scale, z, residual_grad ? dres : at::Tensor(), g);
+             activation_param, signed_weight, sums_scale, dx_out.value_or(z), residual_grad ? dres : at::Tensor(), g);
   return dres;
 }
 

@@ -87,26 +87,28 @@ inline Act check_backward_args(const at::Tensor& y, const at::Tensor& dy, const 
   return act;
 }
 
-// The z buffer of the SiLU backward on the CPU (docs/DESIGN.md section 7.2):
-// y's shape, dtype (float32 or float64: z in the compute dtype) and layout.
+// The z buffer of the SiLU backward on the CPU (docs/DESIGN.md section 7.2): y's shape and layout, in the compute
+// type (y's dtype for float32 / float64; float32 for a 16-bit y, whose dtype would round z).
 inline void check_z(const at::Tensor& z, const at::Tensor& y, Act act, const char* name) {
   TORCH_CHECK(act == Act::Silu, "inplace_abn: ", name, " is for the SiLU backward only");
   TORCH_CHECK(z.is_cpu() && y.is_cpu(), "inplace_abn: ", name, " is implemented on the CPU only, got ", z.device());
-  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble, "inplace_abn: ", name,
-              " needs a float32 or float64 y (z in y's dtype), got ", y.scalar_type());
-  TORCH_CHECK(z.sizes() == y.sizes() && z.strides() == y.strides() && z.scalar_type() == y.scalar_type(),
-              "inplace_abn: ", name, " must have y's shape, strides and dtype");
+  const at::ScalarType want = acc_type_of(y.scalar_type());  // the compute type: y's own, float32 for 16-bit y
+  TORCH_CHECK(z.sizes() == y.sizes() && z.strides() == y.strides() && z.scalar_type() == want, "inplace_abn: ",
+              name, " must have y's shape and strides and y's compute type (", want, " for a ", y.scalar_type(),
+              " y), got ", z.scalar_type(), " ", z.sizes(), " strides ", z.strides());
 }
 
-// Whether a backward keeps its inverse of y between its two passes (backward_reduce's z_out: z, or h = z / y on
-// the table kernels; then backward_input_from_z_): SiLU on the CPU in float32/float64 (section 7.2).
+// Whether a backward keeps its inverse of y between its two passes in dx's own buffer (backward_reduce's z_out: z,
+// or h = z / y on the table kernels; then backward_input_from_z_ writes dx over it): SiLU on the CPU in float32 /
+// float64 (section 7.2).
 inline bool silu_keeps_z(const at::Tensor& y, int64_t act) {
   return act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
          (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
 }
 
-// Half-precision SiLU on the CPU: bn_backward's two passes keep the inverse in a float32 buffer of its own (the
-// compute type; y's dtype would round it), a transient of twice dx's size, not saved memory (section 7.2).
+// Half-precision SiLU on the CPU: bn_backward's and gn_backward's two passes keep the inverse in a float32 buffer of
+// its own (the compute type; y's dtype would round it), a transient of twice dx's size, not saved memory (section
+// 7.2); the synchronised layer's operators likewise (backward_input_from_z_ with dx_out).
 inline bool silu_keeps_z_apart(const at::Tensor& y, int64_t act) {
   return act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
          (y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf);

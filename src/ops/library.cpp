@@ -112,13 +112,15 @@ TORCH_LIBRARY(inplace_abn, m) {
   m.def(
       "inplace_agn(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int groups, float eps, "
       "int activation, float activation_param, bool signed_weight) -> Tensor");
-  // SiLU on the CPU, float32/float64 (docs/DESIGN.md section 7.2): backward_reduce kept in
-  // z_out what the second pass needs of z = f^-1(y) besides y; the dx of backward_input from
-  // y and it, written over it (no inversion, nothing allocated). Returns dresidual.
+  // SiLU on the CPU (docs/DESIGN.md section 7.2): backward_reduce kept in z_out what the
+  // second pass needs of z = f^-1(y) besides y, in the compute type; the dx of backward_input
+  // from y and it (no inversion), written over it, or into dx_out (y's dtype and layout): a
+  // bfloat16 / float16 y keeps z in float32 and needs dx_out. Returns dresidual.
   m.def(
       "backward_input_from_z_(Tensor(a!) z, Tensor y, Tensor dy, Tensor var, Tensor? weight, Tensor? bias, "
       "Tensor? residual, Tensor mean_gz, Tensor mean_gz_xhat, float eps, int activation, float activation_param, "
-      "bool signed_weight, bool residual_grad, float sums_scale=1.0, int groups=0) -> Tensor dresidual");
+      "bool signed_weight, bool residual_grad, float sums_scale=1.0, int groups=0, Tensor(b!)? dx_out=None) "
+      "-> Tensor dresidual");
   // The GroupNorm backward (groups > 0; docs/DESIGN.md section 10): dx, dresidual
   // (empty without residual_grad) and the per-channel sums over the batch S_g =
   // sum gz, S_gx = sum gz xhat; one pass over memory for a contiguous y on the CPU. flexible_layout: as

@@ -43,7 +43,7 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
                                   const std::optional<at::Tensor>& residual, const at::Tensor& mean_gz,
                                   const at::Tensor& mean_gz_xhat, double eps, int64_t activation,
                                   double activation_param, bool signed_weight, bool residual_grad,
-                                  double sums_scale, int64_t groups);
+                                  double sums_scale, int64_t groups, const std::optional<at::Tensor>& dx_out);
 
 // The local BatchNorm layer's training forward: batch_stats, then forward_ with its statistics; returns forward_'s
 // mask and the batch's mean and biased var.
