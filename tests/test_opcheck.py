@@ -553,9 +553,10 @@ def test_z_path_refuses_what_it_cannot_do():
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 1, 0.1, False, torch.empty_like(y))
     with pytest.raises(RuntimeError, match="shape and strides and y's compute type"):
         ops.backward_reduce(y, torch.randn_like(y), mask, w, b, None, 1e-5, 3, 0.0, False, torch.empty(3))
-    with pytest.raises(RuntimeError, match="must not share y's memory"):
-        ops.backward_input_from_z_(y, y, torch.randn_like(y), var.float(), w, b, None, g, g, 1e-5, 3, 0.0, False,
-                                   False)
+    for dx_out in (None, torch.empty_like(y)):  # z must hold what backward_reduce kept, not y
+        with pytest.raises(RuntimeError, match="must not share y's memory"):
+            ops.backward_input_from_z_(y, y, torch.randn_like(y), var.float(), w, b, None, g, g, 1e-5, 3, 0.0, False,
+                                       False, dx_out=dx_out)
     with pytest.raises(RuntimeError, match="shape and strides and y's compute type"):
         ops.backward_input_from_z_(torch.empty_like(y).double(), y, torch.randn_like(y), var.float(), w, b, None, g,
                                    g, 1e-5, 3, 0.0, False, False)

@@ -69,6 +69,8 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
   check_input(y, "y");
   const Act act = to_act(activation);
   check_z(z, y, act, "z");
+  TORCH_CHECK(!z.is_alias_of(y), "inplace_abn: backward_input_from_z_'s z (what backward_reduce kept) must not share "
+              "y's memory");
   if (dx_out.has_value()) {
     TORCH_CHECK(dx_out->sizes() == y.sizes() && dx_out->strides() == y.strides() &&
                     dx_out->scalar_type() == y.scalar_type() && dx_out->device() == y.device(),
@@ -78,8 +80,6 @@ at::Tensor backward_input_from_z_(const at::Tensor& z, const at::Tensor& y, cons
   } else {
     TORCH_CHECK(z.scalar_type() == y.scalar_type(), "inplace_abn: backward_input_from_z_ writes dx over z, which a ",
                 y.scalar_type(), " y keeps in ", z.scalar_type(), ": pass dx_out (y's dtype) for dx");
-    TORCH_CHECK(!z.is_alias_of(y),
-                "inplace_abn: backward_input_from_z_ writes dx over z, which must not share y's memory");
   }
   check_like(dy, y, "dy");
   check_like(residual, y, "residual");
