@@ -483,6 +483,9 @@ def test_opcheck_half_precision_silu_backward_from_z(dtype, fmt, residual):
     dr = ops.backward_input_from_z_(z, *args, dx_out=dx)
     assert torch.equal(z, kept)  # read only
     _assert_within_one_rounding(dx, dx_ref, dr if residual else None, dr_ref, y)
+    other = torch.empty_like(y)  # and dx comes from z, not from inverting y again
+    ops.backward_input_from_z_(torch.full_like(z, 2.0), *args, dx_out=other)
+    assert not torch.equal(other, dx)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=["contiguous", "channels_last"])
