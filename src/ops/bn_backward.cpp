@@ -54,10 +54,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
   // with frozen parameters nobody reads them: no reduce pass (docs/DESIGN.md section 6).
   const bool reduce = need_w || need_b || (training && (need_x || need_r));
   const bool input = need_x || need_r;
-  // SiLU on the CPU: the reduce pass keeps its inverse (z, or h = z / y), the input pass starts from it and y and
-  // writes dx over it; half precision keeps it apart, in float32
-  const bool keep_z = reduce && need_x && silu_keeps_z(y, activation);
-  const bool keep_apart = reduce && need_x && silu_keeps_z_apart(y, activation);
   // training: the kernel scales the raw sums by 1/n; eval: the statistics are constants
   const double scale = training && count ? 1.0 / static_cast<double>(count) : 0.0;
 
@@ -96,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_backward(
   } else if (y.numel()) {
     const TableGuard table_guard;
     const at::Tensor gyl = like(gy, y), res = like(residual, y);
-    const at::Tensor kept = keep_z ? dx : keep_apart ? new_like(y, acc_type_of(y.scalar_type())) : at::Tensor();
+    // SiLU: the reduce pass keeps its inverse (z, or h = z / y), the input pass starts from it and y
+    const at::Tensor kept = reduce && need_x ? kept_inverse(y, activation, dx) : at::Tensor();
     // (profiler ranges: a profile shows the passes; tests/test_launches.py counts them)
     if (reduce) {
       RECORD_FUNCTION("inplace_abn::bn_backward (reduce pass)", std::vector<c10::IValue>());

@@ -106,14 +106,6 @@ inline bool silu_keeps_z(const at::Tensor& y, int64_t act) {
          (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble);
 }
 
-// Half-precision SiLU on the CPU: bn_backward's and gn_backward's two passes keep the inverse in a float32 buffer of
-// its own (the compute type; y's dtype would round it), a transient of twice dx's size, not saved memory (section
-// 7.2); the synchronised layer's operators likewise (backward_input_from_z_ with dx_out).
-inline bool silu_keeps_z_apart(const at::Tensor& y, int64_t act) {
-  return act == static_cast<int64_t>(Act::Silu) && y.is_cpu() &&
-         (y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf);
-}
-
 // The kernels read contiguous or channels-last memory without copies; the caller makes anything else contiguous.
 inline bool is_channels_last(const at::Tensor& x) {
   return !x.is_contiguous() && ((x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
@@ -138,6 +130,16 @@ inline at::Tensor new_like(const at::Tensor& t, std::optional<at::ScalarType> dt
   const auto o = t.options().dtype(dtype.value_or(t.scalar_type()));
   if (!t.is_cpu() || !t.is_non_overlapping_and_dense()) return at::empty_like(t, o, at::MemoryFormat::Preserve);
   return at::detail::empty_strided_cpu(t.sizes(), t.strides(), o);
+}
+
+// Where a backward's two passes keep the SiLU inverse on the CPU (section 7.2): dx itself for float32 / float64 (the
+// input pass writes dx over it); for bfloat16 / float16 a float32 buffer of its own (the compute type: y's dtype
+// would round it), a transient of twice dx's size, not saved memory; undefined where nothing is kept.
+inline at::Tensor kept_inverse(const at::Tensor& y, int64_t act, const at::Tensor& dx) {
+  if (silu_keeps_z(y, act)) return dx;
+  const bool half = y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf;
+  if (act == static_cast<int64_t>(Act::Silu) && y.is_cpu() && half) return new_like(y, at::kFloat);
+  return at::Tensor();
 }
 
 // `t` with ref's dtype and memory order: t itself when it has them, else a

@@ -34,7 +34,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
     const OptTensor& weight, const OptTensor& bias, const OptTensor& residual, double eps, Act act, double param,
     bool signed_weight, bool residual_grad) {
   const int64_t N = y.size(0), C = y.size(1), G = grp.G, m = y.numel() / (N * G);  // m: elements per (n, group)
-  const int64_t activation = static_cast<int64_t>(act);
   const auto acc = y.options().dtype(acc_type_of(y.scalar_type()));
   c10::OptionalDeviceGuard guard(y.device());
   // the outputs first: they must stay normal tensors, not the TableGuard's
@@ -43,9 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> two_pass(
   const at::Tensor dres = residual_grad ? new_like(y) : new_empty({0}, y.options());
   {
     const TableGuard table_guard;
-    const at::Tensor kept = silu_keeps_z(y, activation)         ? dx
-                            : silu_keeps_z_apart(y, activation) ? new_like(y, acc_type_of(y.scalar_type()))
-                                                                : at::Tensor();
+    const at::Tensor kept = kept_inverse(y, static_cast<int64_t>(act), dx);
     const at::Tensor res = like(residual, y);
     {  // (profiler ranges, as bn_backward's: a profile shows the passes)
       RECORD_FUNCTION("inplace_abn::gn_backward (reduce pass)", std::vector<c10::IValue>());
