@@ -89,7 +89,11 @@ def _cpu_capabilities(gcc=False):
         # backward_reduce keeping z, 1 thread, 4.91-5.02 -> 4.61-4.68 ms at 16x64x56x56,
         # 0.64 -> 0.59 at 16x512x7x7 (bench_cpu_ops.py); on AVX512 0-4% slower, so not there.
         sched = ["-fschedule-insns", "-fsched-pressure"] if gcc else []
-        isas += [("AVX2", avx2 + sched), ("AVX512", avx512)]
+        # AVX2: GCC's inlining budget per file (40% growth) ran out in every backward kernel file, and which element
+        # function it then called out of line (a call per vector, the vectors through memory) moved with each change
+        # to the file: the ELU inverse, the SiLU table, vlog, the partial loads (perf: 4-10% of a layer step each).
+        inline = ["--param", "inline-unit-growth=400"] if gcc else []
+        isas += [("AVX2", avx2 + sched + inline), ("AVX512", avx512)]
     # -Wno-psabi: GCC notes that vector arguments pass differently across ISAs (as they do)
     return [(isa, flags + [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}", "-Wno-psabi"]) for isa, flags in isas]
 
