@@ -91,7 +91,7 @@ def _cpu_capabilities(gcc=False):
         sched = ["-fschedule-insns", "-fsched-pressure"] if gcc else []
         # AVX2: GCC's inlining budget per file (40% growth) ran out in every backward kernel file, and which element
         # function it then called out of line (a call per vector, the vectors through memory) moved with each change
-        # to the file: the ELU inverse, the SiLU table, vlog, the partial loads (perf: 4-10% of a layer step each).
+        # to the file: the ELU inverse, the SiLU table, vlog, the partial loads (perf: 2-10% of a layer step each).
         # Not AVX512: there the one-pass kernels got slower with it (contiguous 16x512x7x7 SiLU layer 1.18-1.34x).
         inline = ["--param", "inline-unit-growth=400"] if gcc else []
         isas += [("AVX2", avx2 + sched + inline), ("AVX512", avx512)]
