@@ -136,10 +136,8 @@ inline at::Tensor new_like(const at::Tensor& t, std::optional<at::ScalarType> dt
 // input pass writes dx over it); for bfloat16 / float16 a float32 buffer of its own (the compute type: y's dtype
 // would round it), a transient of twice dx's size, not saved memory; undefined where nothing is kept.
 inline at::Tensor kept_inverse(const at::Tensor& y, int64_t act, const at::Tensor& dx) {
-  if (silu_keeps_z(y, act)) return dx;
-  const bool half = y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf;
-  if (act == static_cast<int64_t>(Act::Silu) && y.is_cpu() && half) return new_like(y, at::kFloat);
-  return at::Tensor();
+  if (act != static_cast<int64_t>(Act::Silu) || !y.is_cpu()) return at::Tensor();
+  return silu_keeps_z(y, act) ? dx : new_like(y, at::kFloat);
 }
 
 // `t` with ref's dtype and memory order: t itself when it has them, else a
