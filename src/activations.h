@@ -15,7 +15,8 @@
 #endif
 
 // GCC calls the SiLU inverse out of line where a file's kernels call it from many places (a call per vector, the
-// vectors through memory). AVX2: forced inline everywhere (backward_reduce SiLU 11.1 -> 8.6 ms). AVX512: the table
+// vectors through memory). AVX2: forced inline everywhere (backward_reduce SiLU 11.1 -> 8.6 ms; still needed with
+// setup.py's larger AVX2 inlining budget: float32 SiLU layers 1.04-1.23x as long without). AVX512: the table
 // inverse only, in the files that define IABN_INLINE_SILU_INVERSE before any include (the one-pass backward
 // kernels: bfloat16 16x512x7x7 layer 0.87x as long); forced in the two-pass kernels too, it cost up to 9%.
 #if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
