@@ -57,8 +57,10 @@ unaffected).
 
 Breakdown (``--breakdown [STEPS]``, 3 steps unless given): after the timed steps, STEPS
 steps of the stock and converted variants (not checkpoint) run under torch.profiler,
-and every event's self CPU time is classified as norm+act, conv or other
-(benchmarks/breakdown.py, which says what the figures and the per-model bound mean).
+and every event's self CPU time is classified as norm+act, conv or other; so do STEPS
+calls of the traffic floor of the stock model's norm layers (breakdown.norm_floor_step:
+the least a fused layer reads and writes). benchmarks/breakdown.py says what the figures
+and the per-model bounds mean.
 """
 import argparse
 import copy
@@ -84,7 +86,7 @@ for _p in (_ROOT, _HERE, os.path.join(_ROOT, "examples")):
 import inplace_abn  # noqa: E402
 from accuracy_table import cpu_name  # noqa: E402
 from bench_cpu import keep_freed_memory  # noqa: E402
-from breakdown import profile_variants  # noqa: E402
+from breakdown import norm_floor_step, profile_variants  # noqa: E402
 from breakdown import table as breakdown_table  # noqa: E402
 from breakdown import header as breakdown_header  # noqa: E402
 from inplace_abn.memory import model_saved_bytes  # noqa: E402
@@ -264,7 +266,10 @@ def bench_model(name: str, batch: int, size: int, repeats: int, warmup: int, pro
     out = {v: {"times_s": times[v], "saved_bytes": mem[v], **({"compile_s": first[v]} if compile else {})}
            for v in VARIANTS}
     if profile_steps:
-        out["breakdown"] = profile_variants({v: steps[v] for v in BREAKDOWN_VARIANTS}, profile_steps)
+        floor = norm_floor_step(models["stock"], x)
+        out["breakdown"] = profile_variants({**{v: steps[v] for v in BREAKDOWN_VARIANTS}, "floor": floor},
+                                            profile_steps)
+        del floor
     del models, steps
     gc.collect()
     return out

@@ -32,7 +32,16 @@ Derived, per model (`derived`):
                      nothing would give, all else equal. If the bound is above
                      a target ratio, no improvement of the normalisation and
                      activation layers alone can meet that target;
-  norm+act ours/stock = converted norm+act / stock norm+act.
+  norm+act ours/stock = converted norm+act / stock norm+act;
+  floor bound      = (stock step - stock norm+act + floor) / stock step, where
+                     floor is the profiled self time of `norm_floor_step`: for
+                     every normalisation layer, the least memory traffic any
+                     fused in-place layer makes in a training step (x read and
+                     y written; y and dy read and dx written), as two bare
+                     ATen calls with no statistics and no activation math. No
+                     norm+act layer that reads and writes its tensors can bring
+                     the converted step below it (given only where a model's
+                     breakdown has a "floor" variant: ``bench_models.py``).
 
 Both come from profiled times; the profiler's per-event overhead weighs more
 on the many small norm+act events than on the few long convolutions, so the
@@ -122,11 +131,48 @@ def profile_variants(steps, n: int) -> dict:
     return out
 
 
+def norm_floor_step(model: torch.nn.Module, x: torch.Tensor):
+    """A callable making the least memory traffic of a fused in-place norm + activation layer's training
+    step for every normalisation layer (BatchNorm, GroupNorm) of ``model``, at the shape, dtype and memory
+    layout of the layer's input in a forward of ``x``: the input read and the output written over it
+    (``y.neg_()``), then y and dy read and dx written (``torch.mul(dy, y, out=dx)``). The forward that
+    finds the inputs runs in eval mode under no_grad, so it changes no running statistics. The
+    callable's ``tensors`` attribute lists its (y, dy, dx) per layer, in the order the layers ran."""
+    norms = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm)
+    inputs = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach().clone()))
+             for m in model.modules() if isinstance(m, norms)]
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(x)
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    if not inputs:
+        raise ValueError("norm_floor_step: the model has no BatchNorm or GroupNorm layer")
+    bufs = [(y, torch.randn_like(y), torch.empty_like(y)) for y in inputs]
+
+    def step():
+        for y, dy, dx in bufs:
+            y.neg_()
+            torch.mul(dy, y, out=dx)
+
+    step.tensors = bufs
+    return step
+
+
 def derived(bd: dict) -> dict:
-    """{"bound", "norm_act_ratio"} of one model's breakdown ({"stock": ..., "converted": ...})."""
+    """{"bound", "norm_act_ratio"} of one model's breakdown ({"stock": ..., "converted": ...}), and
+    "floor_ms", "floor_bound" where it has a "floor" variant (`norm_floor_step` profiled)."""
     s, c = bd["stock"], bd["converted"]
-    return {"bound": (s["step_ms"] - s["norm+act_ms"]) / s["step_ms"],
-            "norm_act_ratio": c["norm+act_ms"] / s["norm+act_ms"]}
+    out = {"bound": (s["step_ms"] - s["norm+act_ms"]) / s["step_ms"],
+           "norm_act_ratio": c["norm+act_ms"] / s["norm+act_ms"]}
+    if "floor" in bd:
+        floor_ms = bd["floor"]["step_ms"] - bd["floor"]["untraced_ms"]  # the two ATen calls' self time
+        out.update(floor_ms=floor_ms, floor_bound=(s["step_ms"] - s["norm+act_ms"] + floor_ms) / s["step_ms"])
+    return out
 
 
 def header(n: int) -> str:
@@ -141,15 +187,21 @@ def header(n: int) -> str:
 
 def table(rows) -> str:
     """Markdown table of ``rows`` [(model label, {variant: profile_variants result})], then per model
-    the bound and the norm+act ratio."""
+    the bound, the norm+act ratio and, with a "floor" variant (not a row), the floor bound."""
     lines = ["| model | variant | step ms (profiled) | norm+act ms | conv ms | other ms | norm+act share |",
              "|---|---|---|---|---|---|---|"]
     notes = []
     for label, bd in rows:
         for v, r in bd.items():
+            if v == "floor":
+                continue
             lines.append(f"| {label} | {v} | {r['step_ms']:.1f} | {r['norm+act_ms']:.1f} | {r['conv_ms']:.1f} | "
                          f"{r['other_ms']:.1f} | {r['norm+act_ms'] / r['step_ms']:.3f} |")
         d = derived(bd)
-        notes.append(f"{label}: bound (converted/stock step with norm+act free) = {d['bound']:.3f}; "
-                     f"norm+act ours/stock = {d['norm_act_ratio']:.3f}")
+        note = (f"{label}: bound (converted/stock step with norm+act free) = {d['bound']:.3f}; "
+                f"norm+act ours/stock = {d['norm_act_ratio']:.3f}")
+        if "floor_bound" in d:
+            note += (f"; traffic floor {d['floor_ms']:.1f} ms = {d['floor_ms'] / bd['stock']['norm+act_ms']:.3f} "
+                     f"of stock norm+act, floor bound (norm+act at the floor) = {d['floor_bound']:.3f}")
+        notes.append(note)
     return "\n".join(lines + [""] + notes)

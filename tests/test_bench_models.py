@@ -162,6 +162,38 @@ def test_breakdown_of_a_small_model_sums_and_sees_both_norms():
     assert d.splitlines()[2].startswith("| tiny | stock | ") and "tiny: bound" in d
 
 
+def test_norm_floor_step_covers_every_norm_layer_and_changes_no_state():
+    bd_mod = _load(os.path.join(ROOT, "benchmarks", "breakdown.py"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
+                          nn.GroupNorm(2, 8), nn.SiLU(), nn.Flatten(), nn.Linear(8 * 7 * 7, 3), nn.BatchNorm1d(3))
+    model = model.to(memory_format=torch.channels_last).train()
+    state = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    step = bd_mod.norm_floor_step(model, x)
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    from torch.profiler import profile
+
+    with profile() as prof:
+        step()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls == {"aten::neg_": 3, "aten::mul": 3}  # nothing else: no scalar conversions
+    bufs = step.tensors
+    assert [tuple(y.shape) for y, _, _ in bufs] == [(4, 8, 16, 16), (4, 8, 7, 7), (4, 3)]
+    assert bufs[0][0].is_contiguous(memory_format=torch.channels_last)
+    assert all(dx.shape == y.shape == dy.shape for y, dy, dx in bufs)
+    with pytest.raises(ValueError, match="no BatchNorm or GroupNorm"):
+        bd_mod.norm_floor_step(nn.Linear(2, 2), torch.randn(1, 2))
+    # floor bound = (stock step - stock norm+act + floor) / stock step
+    d = bd_mod.derived({"stock": {"step_ms": 100.0, "norm+act_ms": 10.0},
+                        "converted": {"norm+act_ms": 5.0},
+                        "floor": {"step_ms": 3.0, "untraced_ms": 1.0}})
+    assert d["bound"] == pytest.approx(0.9) and d["norm_act_ratio"] == pytest.approx(0.5)
+    assert d["floor_ms"] == pytest.approx(2.0) and d["floor_bound"] == pytest.approx(0.92)
+
+
 def test_quick_breakdown_prints_and_writes_it(tmp_path):
     out = tmp_path / "models.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -174,9 +206,11 @@ def test_quick_breakdown_prints_and_writes_it(tmp_path):
     assert f"torch {torch.__version__}, 2 threads, CPU " in lines[i]
     assert f"ISA {torch.backends.cpu.get_cpu_capability()}" in lines[i] and "1 profiled steps" in lines[i]
     assert [ln.split(" | ")[1] for ln in lines[i + 3:i + 5]] == ["stock", "converted"]
-    assert lines[i + 6].startswith("deeplabv3_resnet18 2 x 32: bound")
+    assert lines[i + 6].startswith("deeplabv3_resnet18 2 x 32: bound") and "floor bound" in lines[i + 6]
     (row,) = json.loads(out.read_text())["results"]
     assert set(row["variants"]) == {"stock", "converted", "checkpoint"}
     bd = row["breakdown"]
-    assert set(bd) == {"stock", "converted"} and all(bd[v]["steps"] == 1 for v in bd)
+    assert set(bd) == {"stock", "converted", "floor"} and all(bd[v]["steps"] == 1 for v in bd)
+    # the floor is one neg_ and one mul per norm layer, nothing else
+    assert {n: c for n, (_, c) in bd["floor"]["events"].items()} == {"aten::neg_": "other", "aten::mul": "other"}
     assert any(n.startswith("inplace_abn::") for n in bd["converted"]["events"])
