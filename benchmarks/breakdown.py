@@ -38,10 +38,13 @@ Derived, per model (`derived`):
                      every normalisation layer, the least memory traffic any
                      fused in-place layer makes in a training step (x read and
                      y written; y and dy read and dx written), as two bare
-                     ATen calls with no statistics and no activation math. No
-                     norm+act layer that reads and writes its tensors can bring
-                     the converted step below it (given only where a model's
-                     breakdown has a "floor" variant: ``bench_models.py``).
+                     ATen calls with no statistics and no activation math. A
+                     layer that reads and writes those tensors can hardly take
+                     less than the floor: the converted step goes below the
+                     floor bound only where the rest of the step changes too
+                     (a residual addition folded into a layer). Given only
+                     where a model's breakdown has a "floor" variant
+                     (``bench_models.py``).
 
 Both come from profiled times; the profiler's per-event overhead weighs more
 on the many small norm+act events than on the few long convolutions, so the
