@@ -141,10 +141,11 @@ def norm_floor_step(model: torch.nn.Module, x: torch.Tensor):
     (``y.neg_()``), then y and dy read and dx written (``torch.mul(dy, y, out=dx)``). The forward that
     finds the inputs runs in eval mode under no_grad, so it changes no running statistics. The
     callable's ``tensors`` attribute lists its (y, dy, dx) per layer, in the order the layers ran."""
-    norms = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm)
+    from inplace_abn._convert_analysis import is_norm
+
     inputs = []
     hooks = [m.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach().clone()))
-             for m in model.modules() if isinstance(m, norms)]
+             for m in model.modules() if is_norm(m)]
     was_training = model.training
     try:
         with torch.no_grad():
@@ -168,13 +169,15 @@ def norm_floor_step(model: torch.nn.Module, x: torch.Tensor):
 
 def derived(bd: dict) -> dict:
     """{"bound", "norm_act_ratio"} of one model's breakdown ({"stock": ..., "converted": ...}), and
-    "floor_ms", "floor_bound" where it has a "floor" variant (`norm_floor_step` profiled)."""
+    "floor_ms", "floor_ratio" (floor / stock norm+act), "floor_bound" where it has a "floor" variant
+    (`norm_floor_step` profiled)."""
     s, c = bd["stock"], bd["converted"]
     out = {"bound": (s["step_ms"] - s["norm+act_ms"]) / s["step_ms"],
            "norm_act_ratio": c["norm+act_ms"] / s["norm+act_ms"]}
     if "floor" in bd:
         floor_ms = bd["floor"]["step_ms"] - bd["floor"]["untraced_ms"]  # the two ATen calls' self time
-        out.update(floor_ms=floor_ms, floor_bound=(s["step_ms"] - s["norm+act_ms"] + floor_ms) / s["step_ms"])
+        out.update(floor_ms=floor_ms, floor_ratio=floor_ms / s["norm+act_ms"],
+                   floor_bound=(s["step_ms"] - s["norm+act_ms"] + floor_ms) / s["step_ms"])
     return out
 
 
@@ -204,7 +207,7 @@ def table(rows) -> str:
         note = (f"{label}: bound (converted/stock step with norm+act free) = {d['bound']:.3f}; "
                 f"norm+act ours/stock = {d['norm_act_ratio']:.3f}")
         if "floor_bound" in d:
-            note += (f"; traffic floor {d['floor_ms']:.1f} ms = {d['floor_ms'] / bd['stock']['norm+act_ms']:.3f} "
+            note += (f"; traffic floor {d['floor_ms']:.1f} ms = {d['floor_ratio']:.3f} "
                      f"of stock norm+act, floor bound (norm+act at the floor) = {d['floor_bound']:.3f}")
         notes.append(note)
     return "\n".join(lines + [""] + notes)

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from inplace_abn import convert_model  # noqa: E402
+from inplace_abn._convert_analysis import is_norm  # noqa: E402
 
 
 class _Timeout(Exception):
@@ -85,7 +86,7 @@ def torchvision_models(only=None):
 
 
 def has_norm(model):
-    return any(isinstance(m, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm)) for m in model.modules())
+    return any(is_norm(m) for m in model.modules())
 
 
 def step(model, x):
